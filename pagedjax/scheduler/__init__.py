@@ -1,0 +1,1 @@
+"""Host side of pagedjax: plain Python and numpy, no JAX import."""

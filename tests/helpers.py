@@ -1,0 +1,39 @@
+"""Small fakes shared by the host-side tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class FakeRequest:
+    """Just what KVCacheManager reads from a request."""
+
+    request_id: str
+    all_token_ids: list[int]
+    num_computed_tokens: int = 0
+    block_hashes: list = field(default_factory=list)
+    extra_key: object = None
+    max_num_tokens: int | None = None
+
+
+def prefill(mgr, req, use_cache=True):
+    """Admit `req` as the scheduler does: prefix hits, then slots for the rest of its tokens;
+    returns the number of hit tokens (None if it did not fit)."""
+    hits, n_hit = mgr.get_computed_blocks(req) if use_cache else ([], 0)
+    new = mgr.allocate_slots(req, len(req.all_token_ids) - req.num_computed_tokens - n_hit, hits)
+    if new is None:
+        return None
+    req.num_computed_tokens = len(req.all_token_ids)
+    return n_hit
+
+
+def decode(mgr, req, token):
+    """Append one sampled token and give it a slot, as one decode step does."""
+    req.all_token_ids.append(token)
+    new = mgr.allocate_slots(req, 1)
+    if new is None:
+        req.all_token_ids.pop()
+        return None
+    req.num_computed_tokens += 1
+    return new
