@@ -150,6 +150,18 @@ class KVCacheManager:
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         req_id = request.request_id
+        table = self.req_to_blocks.get(req_id)
+        if table is not None and not new_computed_blocks and not self.contiguous:
+            # the hot path (most decode steps): the tokens fit in blocks this request holds alone
+            bs = self.block_size
+            num_computed = request.num_computed_tokens
+            total = num_computed + num_new_tokens
+            if total <= len(table) * bs and (num_new_tokens == 0 or self.pool.ref_cnt[table[num_computed // bs]] == 1):
+                if total > self.num_tokens_held[req_id]:
+                    self.num_tokens_held[req_id] = total
+                if self.enable_prefix_caching and total // bs > self.num_cached_blocks[req_id]:
+                    self._cache_full_blocks(request, total)
+                return []
         if req_id in self.swapped:
             raise ValueError(f"request {req_id!r} is swapped out; swap it in before allocating")
         new_computed_blocks = list(new_computed_blocks or [])

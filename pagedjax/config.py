@@ -1,0 +1,83 @@
+"""EngineConfig: every knob of the engine, with vLLM's names. Pure Python."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    """Powers of two from lo up to the first one >= hi (hi itself last if not a power of two)."""
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    out.append(hi)
+    return tuple(out)
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16
+    num_blocks: int | None = None          # KV pool size in blocks (block 0 is the null block)
+    gpu_memory_utilization: float = 0.9    # on GPU/TPU with num_blocks=None: share of memory for weights + KV
+    num_host_blocks: int | None = None     # swap space in blocks (default: as many as the device pool)
+    max_num_seqs: int = 32                 # seats: sequences in one step
+    max_num_batched_tokens: int = 512      # token budget of one step (chunked prefill above it)
+    max_model_len: int = 2048              # prompt + output tokens of one sequence
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
+    scheduling: Literal["continuous", "static"] = "continuous"
+    allocation: Literal["paged", "contiguous"] = "paged"
+    contiguous_reserve: Literal["max_model_len", "request"] = "max_model_len"
+    attention_backend: Literal["auto", "pallas", "reference"] = "auto"
+    token_buckets: tuple[int, ...] | None = None   # padded sizes of a step's token count T
+    seq_buckets: tuple[int, ...] | None = None     # padded sizes of a step's sequence count S
+    page_buckets: tuple[int, ...] | None = None    # padded widths of the block tables handed to attention
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        def need(cond, name, limit):
+            if not cond:
+                raise ValueError(f"{name} must be {limit}, got {getattr(self, name)!r}")
+
+        need(isinstance(self.block_size, int) and self.block_size >= 1, "block_size", "an int >= 1")
+        need(self.num_blocks is None or (isinstance(self.num_blocks, int) and self.num_blocks >= 2),
+             "num_blocks", "None or an int >= 2 (block 0 is the reserved null block)")
+        need(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "in (0, 1]")
+        need(self.num_host_blocks is None or self.num_host_blocks >= 0, "num_host_blocks", "None or >= 0")
+        need(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1, "max_num_seqs", "an int >= 1")
+        need(isinstance(self.max_model_len, int) and self.max_model_len >= 2, "max_model_len", "an int >= 2")
+        need(isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= self.max_num_seqs,
+             "max_num_batched_tokens", f">= max_num_seqs ({self.max_num_seqs}), so every seat can decode in one step")
+        if not self.enable_chunked_prefill:
+            need(self.max_num_batched_tokens >= self.max_model_len, "max_num_batched_tokens",
+                 f">= max_model_len ({self.max_model_len}) without chunked prefill, or a long prompt never fits")
+        need(self.preemption_mode in ("recompute", "swap"), "preemption_mode", "'recompute' or 'swap'")
+        need(self.scheduling in ("continuous", "static"), "scheduling", "'continuous' or 'static'")
+        need(self.allocation in ("paged", "contiguous"), "allocation", "'paged' or 'contiguous'")
+        need(self.contiguous_reserve in ("max_model_len", "request"), "contiguous_reserve",
+             "'max_model_len' or 'request'")
+        need(self.attention_backend in ("auto", "pallas", "reference"), "attention_backend",
+             "'auto', 'pallas' or 'reference'")
+        if self.token_buckets is None:
+            self.token_buckets = pow2_buckets(min(16, self.max_num_batched_tokens), self.max_num_batched_tokens)
+        if self.seq_buckets is None:
+            self.seq_buckets = pow2_buckets(1, self.max_num_seqs)
+        if self.page_buckets is None:
+            self.page_buckets = pow2_buckets(min(4, self.max_blocks_per_seq), self.max_blocks_per_seq)
+        need(max(self.token_buckets) >= self.max_num_batched_tokens, "token_buckets",
+             f"a tuple whose largest size is >= max_num_batched_tokens ({self.max_num_batched_tokens})")
+        need(max(self.seq_buckets) >= self.max_num_seqs, "seq_buckets",
+             f"a tuple whose largest size is >= max_num_seqs ({self.max_num_seqs})")
+        need(max(self.page_buckets) >= self.max_blocks_per_seq, "page_buckets",
+             f"a tuple whose largest width is >= max_blocks_per_seq ({self.max_blocks_per_seq})")
+        self.token_buckets = tuple(sorted(set(self.token_buckets)))
+        self.seq_buckets = tuple(sorted(set(self.seq_buckets)))
+        self.page_buckets = tuple(sorted(set(self.page_buckets)))
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)

@@ -1,0 +1,465 @@
+"""Continuous batching on the host: who runs this step, with how many tokens, in which blocks.
+
+`schedule()` returns a `SchedulerOutput` that says exactly what the runner must do this step;
+`update_from_output()` takes the sampled tokens back, appends them, finishes requests and
+frees their blocks. No JAX here.
+
+Policy (`scheduling="continuous"`, vLLM's): running requests first, oldest first, each given
+the rest of its prompt (chunked to the token budget) or one decode token; then swapped
+requests are resumed; then waiting requests are admitted in FCFS order while the token
+budget (`max_num_batched_tokens`), the seats (`max_num_seqs`) and the blocks for their next
+chunk last. The first waiting request that does not fit stops admission (no overtaking).
+
+When a running request cannot get its next block, the newest running request is preempted,
+all its blocks at once: freed and recomputed later (`preemption_mode="recompute"`), or copied
+to the host pool and resumed first (`"swap"`). Victims are always requests not yet scheduled
+this step (the running list is in FCFS order and victims come off its end), so nothing a
+step was promised is taken back.
+
+`scheduling="static"` is the baseline: a batch of up to `max_num_seqs` waiting requests is
+formed only when the previous batch has completely finished; finished members' seats stay
+empty until then. Same packing, same metrics.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from pagedjax.config import EngineConfig
+from pagedjax.metrics import MetricsRecorder, StepStats
+from pagedjax.scheduler.kv_cache_manager import KVCacheManager, cdiv
+from pagedjax.scheduler.sequence import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+def derive_seed(seed: int, index: int) -> int:
+    """Seed of sample `index` of a group: distinct, deterministic, in [0, 2**63)."""
+    if index == 0:
+        return seed
+    x = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    x ^= x >> 31
+    return x & (2**63 - 1)
+
+
+@dataclass
+class SchedulerOutput:
+    """Everything the runner must do in one step. Row i of the batch is `scheduled[i]`."""
+
+    step: int
+    scheduled: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)   # tokens computed for each row this step
+    sample_from: list[int] = field(default_factory=list)      # the row whose last token's logits it samples
+    needs_sample: list[bool] = field(default_factory=list)    # False for a prefill chunk before the prompt's end
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device blocks
+    swap_out: list[tuple[int, int]] = field(default_factory=list)      # (device, host) blocks
+    swap_in: list[tuple[int, int]] = field(default_factory=list)       # (host, device) blocks
+    preempted: list[str] = field(default_factory=list)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.swap_out
+
+    def _add(self, req: Request, num_new: int, sample_from: int | None = None) -> None:
+        row = len(self.scheduled)
+        self.scheduled.append(req)
+        self.num_new_tokens.append(num_new)
+        self.sample_from.append(row if sample_from is None else sample_from)
+        num_computed = req.num_computed_tokens
+        self.needs_sample.append(num_computed + num_new >= len(req.all_token_ids))
+        if num_new == 1 and num_computed >= len(req.prompt_token_ids):
+            self.num_decode_tokens += 1
+        else:
+            self.num_prefill_tokens += num_new
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_blocks: int | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.config = config
+        num_blocks = num_blocks or config.num_blocks
+        if num_blocks is None:
+            raise ValueError("num_blocks must be given (the KV pool size in blocks)")
+        self.num_blocks = num_blocks
+        self.kv = KVCacheManager(
+            num_blocks, config.block_size, max_model_len=config.max_model_len,
+            enable_prefix_caching=config.enable_prefix_caching, allocation=config.allocation,
+            contiguous_reserve=config.contiguous_reserve,
+            num_host_blocks=(num_blocks if config.num_host_blocks is None else config.num_host_blocks)
+            if config.preemption_mode == "swap" else 0)
+        self.clock = clock
+        self.requests: dict[str, Request] = {}     # every unfinished request (and group member)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []           # FCFS order (Request.order)
+        self.swapped: list[Request] = []           # FCFS order
+        self.static_batch: set[str] = set()        # members of the current static batch
+        self.seats: dict[str, int] = {}            # request id -> seat, for occupancy timelines
+        self._free_seats = list(range(config.max_num_seqs - 1, -1, -1))
+        self._admit_counter = 0
+        self.step_counter = 0
+        self.metrics = MetricsRecorder(config.max_num_seqs)
+        self.num_preemptions = 0
+        self._recent_preemptions: deque[int] = deque()
+        self._last_preemption_warning = -(10**9)
+        self._forked: list[Request] = []
+
+    # -- admission ----------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        """Accept a request or refuse it at once; a request that could never run is refused
+        here rather than left waiting forever."""
+        cfg = self.config
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use by an unfinished request")
+        if req.num_prompt_tokens < 1:
+            raise ValueError("prompt must contain at least 1 token")
+        if req.max_num_tokens > cfg.max_model_len:
+            raise ValueError(f"prompt ({req.num_prompt_tokens} tokens) + max_tokens "
+                             f"({req.sampling_params.max_tokens}) = {req.max_num_tokens} exceeds "
+                             f"max_model_len ({cfg.max_model_len})")
+        if req.sampling_params.n > cfg.max_num_seqs:
+            raise ValueError(f"n ({req.sampling_params.n}) exceeds max_num_seqs ({cfg.max_num_seqs})")
+        # a request must be able to run to max_tokens alone, or preemption could never help it
+        usable = self.num_blocks - 1
+        if self.kv.contiguous:
+            need = self.kv._reservation(req) * req.sampling_params.n
+            what = f"its contiguous reservation (x n={req.sampling_params.n})"
+        else:
+            need = cdiv(req.max_num_tokens, cfg.block_size)
+            what = "prompt + max_tokens"
+        if need > usable:
+            raise ValueError(f"{what} needs {need} KV blocks but the pool has only {usable} "
+                             f"(num_blocks={self.num_blocks}, block_size={cfg.block_size})")
+        req.status = RequestStatus.WAITING
+        req.order = (req.arrival_time, self._admit_counter, req.sample_index)
+        self._admit_counter += 1
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    # -- one step -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        now = self.clock()
+        out = SchedulerOutput(step=self.step_counter)
+        self.step_counter += 1
+        budget = cfg.max_num_batched_tokens
+        preempted_any = False
+        forked = self._forked = []  # children forked this step join `running` at its end
+
+        # 1. running requests, oldest first
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(len(req.all_token_ids) - req.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while True:
+                if self._allocate(req, num_new):
+                    scheduled = True
+                    break
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                preempted_any = True
+                if victim is req:
+                    scheduled = False
+                    break
+            if not scheduled:
+                break
+            budget -= num_new
+            self._schedule_row(req, num_new, out, forked, now)
+            i += 1
+
+        # 2. swapped requests come back first, when blocks and seats allow
+        if not preempted_any:
+            while self.swapped and self._seats_free() >= self.swapped[0].num_seats:
+                req = self.swapped[0]
+                mapping = self.kv.swap_in([req.request_id])
+                if mapping is None:
+                    break
+                self.swapped.pop(0)
+                out.swap_in.extend(mapping)
+                req.status = RequestStatus.RUNNING
+                self._insert_running(req)
+                num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+                if num_new > 0 and self._allocate(req, num_new):
+                    budget -= num_new
+                    self._schedule_row(req, num_new, out, forked, now)
+
+        # 3. waiting requests, FCFS; the first that does not fit stops admission
+        if not preempted_any and not self.swapped:
+            if cfg.scheduling == "static" and not self.running and not self._static_members_waiting():
+                self._form_static_batch()
+            while self.waiting and budget > 0:
+                req = self.waiting[0]
+                if cfg.scheduling == "static" and req.request_id not in self.static_batch:
+                    break
+                if self._seats_free() < req.num_seats:
+                    break
+                hits, num_hit = self.kv.get_computed_blocks(req)
+                num_new = req.num_tokens - req.num_computed_tokens - num_hit
+                if num_new > budget and not cfg.enable_chunked_prefill:
+                    break
+                num_new = min(num_new, budget)
+                if not self._allocate(req, num_new, hits):
+                    break
+                self.waiting.popleft()
+                first_time = req.num_cached_tokens < 0
+                if first_time:
+                    # replays after preemption hit their own blocks: not counted as cache hits
+                    req.num_cached_tokens = num_hit
+                    out.prefix_query_tokens += req.num_prompt_tokens
+                    out.prefix_hit_tokens += num_hit
+                    req.times.first_scheduled = now
+                req.num_computed_tokens += num_hit
+                req.status = RequestStatus.RUNNING
+                self._insert_running(req)
+                budget -= num_new
+                self._schedule_row(req, num_new, out, forked, now)
+
+        for child in forked:
+            self._insert_running(child)
+        self._forked = []
+        out.block_copies = self.kv.pop_block_copies()
+        self._record_step(out, now)
+        return out
+
+    def _allocate(self, req: Request, num_new: int, hits: list[int] | None = None) -> bool:
+        if not self.kv.contiguous:
+            return self.kv.allocate_slots(req, num_new, hits) is not None
+        if (req.needs_fork
+                and req.num_computed_tokens + len(hits or ()) * self.config.block_size + num_new >= req.num_prompt_tokens):
+            # contiguous siblings each reserve (and copy into) a slab of their own at the fork
+            fork_blocks = (req.sampling_params.n - 1) * self.kv._reservation(req)
+            if fork_blocks + self.kv._reservation(req) - len(self.kv.req_to_blocks.get(req.request_id, ())) \
+                    > self.kv.num_free_blocks():
+                return False
+        return self.kv.allocate_slots(req, num_new, hits) is not None
+
+    def _schedule_row(self, req: Request, num_new: int, out: SchedulerOutput, forked: list, now: float) -> None:
+        row = len(out.scheduled)
+        out._add(req, num_new)
+        if req.sampling_params.n > 1 and req.needs_fork and req.num_computed_tokens + num_new >= req.num_prompt_tokens:
+            # the prompt completes this step: its n - 1 siblings share every block from here
+            # and sample their first token from this row's logits with their own seeds
+            req.forked = True
+            for k in range(1, req.sampling_params.n):
+                child = self._fork(req, k, req.num_computed_tokens + num_new, now)
+                forked.append(child)
+                out._add(child, 0, sample_from=row)
+
+    def _fork(self, parent: Request, k: int, num_computed: int, now: float) -> Request:
+        child = Request(
+            request_id=f"{parent.request_id}#{k}", prompt_token_ids=parent.prompt_token_ids,
+            sampling_params=parent.sampling_params, arrival_time=parent.arrival_time,
+            eos_token_id=parent.eos_token_id, seed=derive_seed(parent.seed, k),
+            group_id=parent.request_id, sample_index=k, extra_key=parent.extra_key)
+        child.all_token_ids = list(parent.all_token_ids)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed_tokens = num_computed
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.status = RequestStatus.RUNNING
+        child.order = parent.order[:2] + (k,)
+        child.times.first_scheduled = now
+        self.kv.fork(parent.request_id, child.request_id)
+        self.requests[child.request_id] = child
+        parent.children.append(child.request_id)
+        return child
+
+    def fork_request(self, parent_id: str, child: Request) -> None:
+        """Fork a running, fully computed request into `child` (beam search): the child shares
+        every block copy-on-write and takes a seat."""
+        parent = self.requests.get(parent_id)
+        if parent is None or parent.status != RequestStatus.RUNNING:
+            raise ValueError(f"fork_request: request_id {parent_id!r} is not a running request")
+        if child.request_id in self.requests:
+            raise ValueError(f"fork_request: request_id {child.request_id!r} is already in use")
+        if self._seats_free() < 1:
+            raise ValueError(f"fork_request: no free seat (max_num_seqs={self.config.max_num_seqs})")
+        self.kv.fork(parent_id, child.request_id)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = RequestStatus.RUNNING
+        child.order = parent.order[:2] + (child.sample_index,)
+        child.times.first_scheduled = parent.times.first_scheduled
+        self.requests[child.request_id] = child
+        self._insert_running(child)
+
+    # -- preemption -----------------------------------------------------------------------------
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self._release_seat(req)
+        self.num_preemptions += 1
+        req.num_preemptions += 1
+        out.preempted.append(req.request_id)
+        if self.config.preemption_mode == "swap":
+            mapping = self.kv.swap_out([req.request_id])
+            if mapping is not None:
+                out.swap_out.extend(mapping)
+                req.status = RequestStatus.SWAPPED
+                bisect.insort(self.swapped, req, key=lambda r: r.order)
+                return
+            logger.warning("host swap space full: preempting %s by recompute instead", req.request_id)
+        # free before resetting num_computed_tokens: the manager forgets hashes of blocks the
+        # request registered but never computed
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(req)
+
+    # -- results ----------------------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sampled: Sequence[int],
+                           logprobs: Sequence | None = None, errors: Sequence[bool] | None = None,
+                           now: float | None = None) -> list[Request]:
+        """Take one step's sampled tokens (one per row); returns the requests that got a new
+        token or finished, in row order."""
+        now = self.clock() if now is None else now
+        changed = []
+        running = RequestStatus.RUNNING
+        for row, req in enumerate(out.scheduled):
+            if req.status is not running:  # aborted since the step was scheduled
+                continue
+            req.num_computed_tokens += out.num_new_tokens[row]
+            if not out.needs_sample[row]:
+                continue
+            if errors is not None and errors[row]:
+                req.error = "non-finite logits"
+                self._finish(req, RequestStatus.FINISHED_ERROR, now)
+                changed.append(req)
+                continue
+            token = int(sampled[row])
+            req.append_output_token(token, now, None if logprobs is None else logprobs[row])
+            status = self._check_stop(req, token)
+            if status is not None:
+                self._finish(req, status, now)
+            changed.append(req)
+        return changed
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        sp = req.sampling_params
+        if not sp.ignore_eos and req.eos_token_id is not None and token == req.eos_token_id:
+            return RequestStatus.FINISHED_STOPPED
+        if sp.stop_token_ids and token in sp.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish_request(self, request_id: str, status: RequestStatus, now: float | None = None) -> None:
+        """End one request (a stop string found by the engine, an error, an abort)."""
+        req = self.requests.get(request_id)
+        if req is None:
+            raise ValueError(f"request_id {request_id!r} is not an unfinished request")
+        self._finish(req, status, self.clock() if now is None else now)
+
+    def abort_request(self, request_id: str) -> list[Request]:
+        """Abort a request (or every member of the group it names) from any state; all its
+        blocks return at once. Unknown ids are refused with ValueError."""
+        members = [r for r in self.requests.values() if r.group_id == request_id]
+        if not members:
+            if request_id not in self.requests:
+                raise ValueError(f"request_id {request_id!r} is not an unfinished request")
+            members = [self.requests[request_id]]
+        now = self.clock()
+        for req in members:
+            self._finish(req, RequestStatus.FINISHED_ABORTED, now)
+        return members
+
+    def _finish(self, req: Request, status: RequestStatus, now: float) -> None:
+        prev = req.status
+        if prev.finished:
+            return
+        if prev == RequestStatus.RUNNING:
+            self.running.remove(req)
+            self._release_seat(req)
+            self.kv.free(req)
+        elif prev == RequestStatus.SWAPPED:
+            self.swapped.remove(req)
+            self.kv.free(req)
+        else:  # waiting or preempted: holds no blocks
+            self.waiting.remove(req)
+        req.status = status
+        req.times.finished = now
+        del self.requests[req.request_id]
+        self.static_batch.discard(req.request_id)
+        self.metrics.record_finished(req)
+
+    # -- seats, queues, stats ---------------------------------------------------------------------
+    def _insert_running(self, req: Request) -> None:
+        bisect.insort(self.running, req, key=lambda r: r.order)
+        self._take_seat(req)
+
+    def _take_seat(self, req: Request) -> None:
+        if req.request_id not in self.seats and self._free_seats:
+            self.seats[req.request_id] = self._free_seats.pop()
+
+    def _release_seat(self, req: Request) -> None:
+        seat = self.seats.pop(req.request_id, None)
+        if seat is not None:
+            bisect.insort(self._free_seats, seat, key=lambda s: -s)
+
+    def _seats_free(self) -> int:
+        return self.config.max_num_seqs - sum(r.num_seats for r in self.running) - len(self._forked)
+
+    def _static_members_waiting(self) -> bool:
+        return any(r.request_id in self.static_batch for r in self.waiting)
+
+    def _form_static_batch(self) -> None:
+        self.static_batch.clear()
+        seats = self.config.max_num_seqs
+        for req in self.waiting:
+            if req.num_seats > seats:
+                break
+            seats -= req.num_seats
+            self.static_batch.add(req.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def _record_step(self, out: SchedulerOutput, now: float) -> None:
+        usage = self.kv.usage()
+        occupancy = [None] * self.config.max_num_seqs
+        for req in out.scheduled:
+            seat = self.seats.get(req.request_id)
+            if seat is not None:
+                occupancy[seat] = req.request_id
+        self.metrics.record_step(StepStats(
+            step=out.step, time=now, num_running=len(self.running), num_waiting=len(self.waiting),
+            num_swapped=len(self.swapped), num_prefill_tokens=out.num_prefill_tokens,
+            num_decode_tokens=out.num_decode_tokens, num_rows=out.num_rows,
+            used_blocks=usage.used_blocks, allocated_slots=usage.allocated_slots,
+            real_tokens=usage.real_tokens, kv_utilization=usage.utilization, kv_usage=usage.usage,
+            num_preempted=len(out.preempted), prefix_query_tokens=out.prefix_query_tokens,
+            prefix_hit_tokens=out.prefix_hit_tokens, occupancy=occupancy))
+        self._warn_on_sustained_preemption(out)
+
+    def _warn_on_sustained_preemption(self, out: SchedulerOutput) -> None:
+        window = self._recent_preemptions
+        window.extend([out.step] * len(out.preempted))
+        while window and window[0] <= out.step - 100:
+            window.popleft()
+        if len(window) > 5 and out.step - self._last_preemption_warning >= 100:
+            self._last_preemption_warning = out.step
+            logger.warning(
+                "%d preemptions in the last 100 steps: the KV pool is too small for this concurrency. "
+                "Lower max_num_seqs, raise num_blocks / gpu_memory_utilization, or lower max_model_len.",
+                len(window))

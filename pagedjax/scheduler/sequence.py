@@ -1,0 +1,138 @@
+"""A request's state on the host: tokens, progress, status, timestamps. No JAX.
+
+One `Request` is one sequence of tokens. A prompt asked for with `n > 1` starts as one
+request (the parent) that prefills the prompt once; when its last prompt token is scheduled,
+the scheduler forks `n - 1` children that share every prompt block copy-on-write and sample
+their first token from the parent's logits with their own seeds. From then on each is a
+request of its own; `group_id` ties them together for the caller.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from pagedjax.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2     # freed by recompute preemption, waiting to be recomputed
+    SWAPPED = 3       # blocks on the host pool, resumed first when device blocks free up
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                RequestStatus.FINISHED_ABORTED: "abort", RequestStatus.FINISHED_ERROR: "error"}.get(self)
+
+
+@dataclass
+class RequestTimes:
+    """Wall or virtual clock readings; the metrics module derives TTFT, TPOT, ITL from them."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished: float | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0
+    eos_token_id: int | None = None
+    seed: int = 0                     # the effective seed (drawn by the engine if params have none)
+    group_id: str | None = None       # the parent's id for every member of an n > 1 group
+    sample_index: int = 0             # which of the group's n samples this is
+    extra_key: object = None          # mixed into prefix hashes (an adapter id)
+
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    block_hashes: list = field(default_factory=list)
+    num_cached_tokens: int = -1       # prefix-cache hit at first admission (-1: not admitted yet)
+    num_preemptions: int = 0
+    forked: bool = False              # an n > 1 parent that has forked its children
+    children: list[str] = field(default_factory=list)
+    error: str | None = None
+    order: tuple = ()                 # FCFS key: (arrival, admission counter, sample index)
+    times: RequestTimes = None        # type: ignore[assignment]
+    _sampling_row: tuple | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids)
+        if self.times is None:
+            self.times = RequestTimes(self.arrival_time)
+        if self.group_id is None:
+            self.group_id = self.request_id
+
+    # -- derived ---------------------------------------------------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_num_tokens(self) -> int:
+        """Prompt + max_tokens: the most KV this request can ever hold."""
+        return self.num_prompt_tokens + self.sampling_params.max_tokens
+
+    @property
+    def num_seats(self) -> int:
+        """Seats (of max_num_seqs) this request stands for: an unforked n > 1 parent keeps one
+        for each sample, so its children never find the batch full."""
+        return self.sampling_params.n if self.needs_fork else 1
+
+    @property
+    def needs_fork(self) -> bool:
+        return self.sampling_params.n > 1 and not self.forked and self.sample_index == 0
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.finish_reason
+
+    @property
+    def sampling_row(self) -> tuple:
+        """(temperature, top_k or 0, top_p, min_p, seed low 32 bits, seed high 32 bits), cached:
+        the packer writes it into the step's sampling arrays every step."""
+        row = self._sampling_row
+        if row is None:
+            sp = self.sampling_params
+            row = self._sampling_row = (sp.temperature, max(sp.top_k, 0), sp.top_p, sp.min_p,
+                                        self.seed & 0xFFFFFFFF, (self.seed >> 32) & 0xFFFFFFFF)
+        return row
+
+    def append_output_token(self, token_id: int, now: float, logprob=None) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
+        if self.times.first_token is None:
+            self.times.first_token = now
+        self.times.token_times.append(now)
