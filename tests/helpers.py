@@ -25,6 +25,7 @@ def prefill(mgr, req, use_cache=True):
     if new is None:
         return None
     req.num_computed_tokens = len(req.all_token_ids)
+    mgr.commit()
     return n_hit
 
 
@@ -36,4 +37,5 @@ def decode(mgr, req, token):
         req.all_token_ids.pop()
         return None
     req.num_computed_tokens += 1
+    mgr.commit()
     return new

@@ -52,6 +52,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         start = req.num_computed_tokens + len(hits) * self.bs
         self._write(req, start, start + num_new)
         req.num_computed_tokens = start + num_new
+        self.mgr.commit()
         return True
 
     # -- rules -------------------------------------------------------------------------------

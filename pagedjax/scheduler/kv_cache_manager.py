@@ -100,6 +100,7 @@ class KVCacheManager:
         self.num_tokens_held: dict[str, int] = {}     # tokens with a slot (written or written this step)
         self.swapped: dict[str, tuple[list[int], int]] = {}  # id -> (host table, tokens held)
         self._block_copies: list[tuple[int, int]] = []
+        self._pending: set[int] = set()  # registered this step, not yet computed
         # sum over shared blocks of (refcount - 1) * fill: subtracting it from the sum of
         # per-request tokens counts every shared token once, without scanning the tables.
         self._shared_dup = 0
@@ -128,7 +129,7 @@ class KVCacheManager:
         blocks = []
         for h in hashes[: max_hit_tokens // self.block_size]:
             block_id = self.pool.get_cached_block(h)
-            if block_id is None:
+            if block_id is None or block_id in self._pending:
                 break
             blocks.append(block_id)
         return blocks, len(blocks) * self.block_size
@@ -215,8 +216,11 @@ class KVCacheManager:
         return new_blocks
 
     def _cache_full_blocks(self, request: Any, total: int) -> None:
-        """Offer every block whose tokens are all known to the hash map. Done at allocation, so a
-        request admitted later in the same step already hits blocks this step will fill."""
+        """Offer every block whose tokens are all known to the hash map. Done at allocation, so
+        the map never holds two blocks for one hash; the blocks stay *pending* (not a hit for
+        anyone) until `commit()` says the step that fills them has run: the runner writes a
+        step's K/V after its layer loop, so a request must not read, in the same step, a block
+        another request is filling."""
         req_id = request.request_id
         known = min(total, len(request.all_token_ids))
         start = self.num_cached_blocks[req_id]
@@ -226,8 +230,13 @@ class KVCacheManager:
         hashes = self._update_hashes(request, known)
         table = self.req_to_blocks[req_id]
         for i in range(start, n_full):
-            self.pool.cache_block(table[i], hashes[i])
+            if self.pool.cache_block(table[i], hashes[i]):
+                self._pending.add(table[i])
         self.num_cached_blocks[req_id] = n_full
+
+    def commit(self) -> None:
+        """The step scheduled since the last commit has run: its blocks now hold their content."""
+        self._pending.clear()
 
     def _fill(self, req_id: str, index: int) -> int:
         return max(0, min(self.block_size, self.num_tokens_held.get(req_id, 0) - index * self.block_size))

@@ -329,6 +329,7 @@ class Scheduler:
         """Take one step's sampled tokens (one per row); returns the requests that got a new
         token or finished, in row order."""
         now = self.clock() if now is None else now
+        self.kv.commit()
         changed = []
         running = RequestStatus.RUNNING
         for row, req in enumerate(out.scheduled):

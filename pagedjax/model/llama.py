@@ -1,0 +1,354 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM) as pure functions over a params pytree.
+
+Everything here is jit-friendly: `cfg` is a frozen, hashable dataclass (pass it as a static
+argument), params are a dict of arrays, and the per-layer weights are stacked along a leading
+`num_layers` axis so `forward` runs one `lax.scan` over the layers and its compile time does not
+grow with depth.
+
+Params (shapes for `cfg`; weights are stored `[in, out]` so a projection is `x @ w`):
+
+    embed_tokens   [vocab, hidden]
+    layers/
+      input_layernorm           [L, hidden]
+      q_proj [L, hidden, H*D]   k_proj, v_proj [L, hidden, KVH*D]   o_proj [L, H*D, hidden]
+      q_bias [L, H*D]  k_bias, v_bias [L, KVH*D]     (only if cfg.attention_bias: Qwen2, some Llamas)
+      o_bias [L, hidden]                              (only if cfg.o_proj_bias)
+      post_attention_layernorm  [L, hidden]
+      gate_proj, up_proj [L, hidden, I]   down_proj [L, I, hidden]
+      gate_bias, up_bias [L, I]  down_bias [L, hidden]  (only if cfg.mlp_bias)
+    norm           [hidden]
+    lm_head        [hidden, vocab]                    (absent when cfg.tie_word_embeddings)
+
+KV cache: `(k_cache, v_cache)`, each `[num_layers, num_kv_heads, num_blocks, block_size, head_dim]`.
+A token's flat slot is `block_id * block_size + offset`; `slot_mapping[t] == -1` marks a padding
+row whose K/V is not written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                       "qwen2": "Qwen2ForCausalLM"}
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """The subset of HF `rope_parameters` that changes `inv_freq` (types: default, linear, llama3)."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = RopeScaling()
+    attention_bias: bool = False  # bias on q, k, v (Qwen2; Llama's `attention_bias` also sets o_proj_bias)
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 2048
+    # Mistral's sliding window. Attention here is always full: exact only while a sequence stays
+    # within the window, so the engine must keep max_model_len <= sliding_window.
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    architecture: str = "LlamaForCausalLM"
+
+    @classmethod
+    def from_hf(cls, hf: Any) -> ModelConfig:
+        """From a transformers config (LlamaConfig, MistralConfig, Qwen2Config; SmolLM is Llama)."""
+        archs = list(getattr(hf, "architectures", None) or [])
+        if not archs and getattr(hf, "model_type", None) in _MODEL_TYPE_TO_ARCH:
+            archs = [_MODEL_TYPE_TO_ARCH[hf.model_type]]  # GGUF-derived configs carry only model_type
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported model: architectures={archs or None} (model_type="
+                f"{getattr(hf, 'model_type', None)!r}); supported architectures: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        act = getattr(hf, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"unsupported hidden_act={act!r}: only the SwiGLU MLP (silu) is implemented")
+
+        num_heads = hf.num_attention_heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+        rope_params = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
+        # transformers 5 moved rope_theta into rope_parameters; config.rope_theta may be missing or None
+        theta = getattr(hf, "rope_theta", None) or rope_params.get("rope_theta") or 10000.0
+        rope_scaling = _rope_scaling_from_hf(rope_params, hf.max_position_embeddings)
+        if float(rope_params.get("partial_rotary_factor", 1.0) or 1.0) != 1.0:
+            raise ValueError("partial_rotary_factor != 1 is not supported")
+
+        attn_bias = bool(getattr(hf, "attention_bias", False))
+        o_bias = attn_bias
+        if arch == "Qwen2ForCausalLM":
+            attn_bias, o_bias = True, False  # Qwen2 always has q/k/v bias and never o_proj bias
+        sliding_window = None
+        if arch == "MistralForCausalLM":
+            sliding_window = getattr(hf, "sliding_window", None)
+        elif arch == "Qwen2ForCausalLM" and getattr(hf, "use_sliding_window", False):
+            if "sliding_attention" in (getattr(hf, "layer_types", None) or []):
+                sliding_window = getattr(hf, "sliding_window", None)
+
+        eos = getattr(hf, "eos_token_id", None)
+        eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+        return cls(
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(hf.rms_norm_eps),
+            rope_theta=float(theta),
+            rope_scaling=rope_scaling,
+            attention_bias=attn_bias,
+            o_proj_bias=o_bias,
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            max_position_embeddings=int(hf.max_position_embeddings),
+            sliding_window=sliding_window,
+            bos_token_id=getattr(hf, "bos_token_id", None),
+            eos_token_ids=eos_ids,
+            architecture=arch,
+        )
+
+
+def _rope_scaling_from_hf(rope_params: Mapping[str, Any], max_position_embeddings: int) -> RopeScaling:
+    rope_type = rope_params.get("rope_type", rope_params.get("type", "default")) or "default"
+    if rope_type == "default":
+        return RopeScaling()
+    if rope_type == "linear":
+        return RopeScaling("linear", factor=float(rope_params["factor"]))
+    if rope_type == "llama3":
+        return RopeScaling(
+            "llama3", factor=float(rope_params["factor"]),
+            low_freq_factor=float(rope_params["low_freq_factor"]),
+            high_freq_factor=float(rope_params["high_freq_factor"]),
+            original_max_position_embeddings=int(
+                rope_params.get("original_max_position_embeddings") or max_position_embeddings))
+    raise ValueError(f"unsupported rope_type={rope_type!r}; supported: default, linear, llama3")
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """float32 `[head_dim // 2]`, as transformers' modeling_rope_utils computes it.
+
+    Mirrors its float32 arithmetic step by step (the pow is done in float64 on the same float32
+    inputs and rounded, i.e. within an ulp of torch's powf).
+    """
+    dim = cfg.head_dim
+    exponent = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    denom = (np.float64(np.float32(cfg.rope_theta)) ** exponent.astype(np.float64)).astype(np.float32)
+    inv_freq = np.float32(1.0) / denom
+    rs = cfg.rope_scaling
+    if rs.rope_type == "linear":
+        inv_freq = inv_freq / np.float32(rs.factor)
+    elif rs.rope_type == "llama3":
+        low_freq_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+        high_freq_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+        wavelen = np.float32(2 * math.pi) / inv_freq
+        scaled = np.where(wavelen > low_freq_wavelen, inv_freq / np.float32(rs.factor), inv_freq)
+        smooth = ((np.float32(rs.original_max_position_embeddings) / wavelen - np.float32(rs.low_freq_factor))
+                  / np.float32(rs.high_freq_factor - rs.low_freq_factor))
+        smoothed = (1 - smooth) * scaled / np.float32(rs.factor) + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+        inv_freq = np.where(is_medium, smoothed, scaled)
+    return inv_freq.astype(np.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# params
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
+    """The params pytree with shape tuples as leaves (what `init_random_params` and the loaders build)."""
+    L, Hd, I = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    layers = {
+        "input_layernorm": (L, Hd),
+        "q_proj": (L, Hd, q), "k_proj": (L, Hd, kv), "v_proj": (L, Hd, kv), "o_proj": (L, q, Hd),
+        "post_attention_layernorm": (L, Hd),
+        "gate_proj": (L, Hd, I), "up_proj": (L, Hd, I), "down_proj": (L, I, Hd),
+    }
+    if cfg.attention_bias:
+        layers |= {"q_bias": (L, q), "k_bias": (L, kv), "v_bias": (L, kv)}
+    if cfg.o_proj_bias:
+        layers["o_bias"] = (L, Hd)
+    if cfg.mlp_bias:
+        layers |= {"gate_bias": (L, I), "up_bias": (L, I), "down_bias": (L, Hd)}
+    shapes = {"embed_tokens": (cfg.vocab_size, Hd), "layers": layers, "norm": (Hd,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (Hd, cfg.vocab_size)
+    return shapes
+
+
+def init_random_params(cfg: ModelConfig, key: jax.Array, dtype: Any = jnp.float32) -> dict[str, Any]:
+    """Random params for tests: N(0, 0.02) matrices and biases, norm weights 1 (as HF initializes)."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(cfg), is_leaf=lambda s: isinstance(s, tuple))
+    keys = jax.random.split(key, len(leaves))
+    out = [jnp.ones(shape, dtype) if "norm" in jax.tree_util.keystr(path)
+           else (0.02 * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
+           for (path, shape), k in zip(leaves, keys)]
+    return jax.tree.unflatten(treedef, out)
+
+
+def init_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: Any = jnp.float32):
+    """Zeroed `(k_cache, v_cache)`, each `[num_layers, num_kv_heads, num_blocks, block_size, head_dim]`."""
+    shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
+    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# forward
+
+
+class AttentionMetadata(NamedTuple):
+    """What the paged attention needs for one step; built on the host, fixed shapes per bucket.
+
+    slot_mapping:    int32[T]    flat cache slot of each token (block_id * block_size + offset), -1 = padding
+    block_tables:    int32[S, max_blocks_per_seq]  physical blocks of each sequence (unused entries 0)
+    context_lens:    int32[S]    tokens of each sequence in the cache *including* this step's tokens
+    query_start_loc: int32[S+1]  sequence s owns query rows query_start_loc[s]:query_start_loc[s+1]
+    num_seqs:        int32[]     live sequences (rows >= num_seqs are padding)
+    """
+
+    slot_mapping: jax.Array
+    block_tables: jax.Array
+    context_lens: jax.Array
+    query_start_loc: jax.Array
+    num_seqs: jax.Array
+
+
+AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, AttentionMetadata], jax.Array]
+
+
+def reference_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                        attn: AttentionMetadata) -> jax.Array:
+    """Default `attention_fn`: the pure-jnp ragged paged attention (scale head_dim ** -0.5).
+
+    q: [T, H, D]; k_cache, v_cache: one layer, [KVH, num_blocks, block_size, D] -> [T, H, D].
+    """
+    from pagedjax.pallas.reference import ragged_paged_attention_reference
+
+    return ragged_paged_attention_reference(q, k_cache, v_cache, attn.block_tables, attn.context_lens,
+                                            attn.query_start_loc, attn.num_seqs)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """HF LlamaRMSNorm: normalize in float32, cast back, then multiply by the weight."""
+    xf = x.astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * normed.astype(x.dtype)
+
+
+def rope_cos_sin(cfg: ModelConfig, positions: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """cos, sin `[T, head_dim]` for integer positions, computed in float32 then cast, as HF does."""
+    inv_freq = jnp.asarray(rope_inv_freq(cfg))
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x: [T, heads, D]; HF's rotate-half convention (GGUF q/k rows are un-permuted to match at load)."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def write_kv(cache: jax.Array, new: jax.Array, slot_mapping: jax.Array) -> jax.Array:
+    """Scatter new K or V into the paged cache at flat slots; slot -1 rows are dropped.
+
+    cache: [..., KVH, num_blocks, block_size, D]; new: [..., T, KVH, D] with the same leading dims.
+    """
+    *lead, kvh, nb, bs, d = cache.shape
+    flat = cache.reshape(*lead, kvh, nb * bs, d)
+    # -1 would wrap around to the last slot under numpy indexing rules: send it out of range instead,
+    # where mode="drop" discards it.
+    slots = jnp.where(slot_mapping < 0, nb * bs, slot_mapping)
+    flat = flat.at[..., slots, :].set(jnp.swapaxes(new, -3, -2).astype(cache.dtype), mode="drop")
+    return flat.reshape(cache.shape)
+
+
+def _linear(x: jax.Array, w: jax.Array, lp: Mapping[str, jax.Array], bias: str) -> jax.Array:
+    # NOTE: on GPU, JAX's default f32 matmul precision may use TF32; f32 parity checks there need
+    # jax.default_matmul_precision("highest").
+    y = x @ w
+    return y + lp[bias] if bias in lp else y
+
+
+def forward(params: Mapping[str, Any], cfg: ModelConfig, token_ids: jax.Array, positions: jax.Array,
+            kv_cache: tuple[jax.Array, jax.Array], attn: AttentionMetadata | Mapping[str, jax.Array],
+            *, attention_fn: AttentionFn = reference_attention,
+            ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """One step over a flat, ragged batch of T tokens (prefill chunks and decode tokens mixed).
+
+    token_ids, positions: int32[T]. Returns the residual stream `[T, hidden_size]` *before* the final
+    RMSNorm (`compute_logits` applies it, so only the rows that need logits pay for it) and the
+    updated `(k_cache, v_cache)`. Padding rows (slot -1) produce finite garbage and write nothing.
+    """
+    if isinstance(attn, Mapping):
+        attn = AttentionMetadata(**attn)
+    dtype = params["embed_tokens"].dtype
+    T = token_ids.shape[0]
+    H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    x = params["embed_tokens"][token_ids]
+    cos, sin = rope_cos_sin(cfg, positions, dtype)
+    k_cache, v_cache = kv_cache
+
+    def layer(x, xs):
+        lp, kc, vc = xs
+        h = rms_norm(x, lp["input_layernorm"], cfg.rms_norm_eps)
+        q = _linear(h, lp["q_proj"], lp, "q_bias").reshape(T, H, D)
+        k = _linear(h, lp["k_proj"], lp, "k_bias").reshape(T, KVH, D)
+        v = _linear(h, lp["v_proj"], lp, "v_bias").reshape(T, KVH, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # The attention must see this step's own K/V, so write them into this layer's pages first.
+        kc, vc = write_kv(kc, k, attn.slot_mapping), write_kv(vc, v, attn.slot_mapping)
+        o = attention_fn(q, kc, vc, attn).astype(dtype)
+        x = x + _linear(o.reshape(T, H * D), lp["o_proj"], lp, "o_bias")
+        h = rms_norm(x, lp["post_attention_layernorm"], cfg.rms_norm_eps)
+        gate = _linear(h, lp["gate_proj"], lp, "gate_bias")
+        up = _linear(h, lp["up_proj"], lp, "up_bias")
+        x = x + _linear(jax.nn.silu(gate) * up, lp["down_proj"], lp, "down_bias")
+        return x, (k.astype(kc.dtype), v.astype(vc.dtype))
+
+    # PERF (see shared/PLATFORM.md): a cache fed to lax.scan as xs is sliced (copied) layer by layer,
+    # ~150 ms per step at batch 32 / context 512 on the 2-core CPU. Here the layer slices are only
+    # read (plus the step's few rows written into the local copy); the full cache is written once,
+    # after the loop, with one scatter that can update a donated buffer in place. Per-layer buffers
+    # or a kernel that reads pages straight from the stacked cache would remove the slice copies.
+    x, (new_k, new_v) = jax.lax.scan(layer, x, (params["layers"], k_cache, v_cache))
+    k_cache = write_kv(k_cache, new_k, attn.slot_mapping)
+    v_cache = write_kv(v_cache, new_v, attn.slot_mapping)
+    return x, (k_cache, v_cache)
+
+
+def compute_logits(params: Mapping[str, Any], cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
+    """Final RMSNorm and output head: hidden `[S, hidden_size]` (from `forward`) -> float32 `[S, vocab]`."""
+    h = rms_norm(hidden, params["norm"], cfg.rms_norm_eps)
+    if cfg.tie_word_embeddings:
+        return jnp.einsum("sh,vh->sv", h, params["embed_tokens"], preferred_element_type=jnp.float32)
+    return jnp.einsum("sh,hv->sv", h, params["lm_head"], preferred_element_type=jnp.float32)

@@ -1,0 +1,211 @@
+"""Checkpoints -> (ModelConfig, params, tokenizer).
+
+Two sources:
+- a Hugging Face directory: config.json, one or more *.safetensors (with or without
+  model.safetensors.index.json), tokenizer files read by transformers.AutoTokenizer;
+- a .gguf file: tensors dequantized with `gguf` to float32, config and tokenizer (with its chat
+  template) through transformers' GGUF support.
+
+Both are mapped onto HF tensor names first, so shape checks and error messages speak one language.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from pagedjax.model.llama import ModelConfig, param_shapes
+
+logger = logging.getLogger(__name__)
+
+# our layer key -> (HF name inside model.layers.{i}., transpose to [in, out])
+_LAYER_TENSORS = {
+    "input_layernorm": ("input_layernorm.weight", False),
+    "q_proj": ("self_attn.q_proj.weight", True),
+    "k_proj": ("self_attn.k_proj.weight", True),
+    "v_proj": ("self_attn.v_proj.weight", True),
+    "o_proj": ("self_attn.o_proj.weight", True),
+    "q_bias": ("self_attn.q_proj.bias", False),
+    "k_bias": ("self_attn.k_proj.bias", False),
+    "v_bias": ("self_attn.v_proj.bias", False),
+    "o_bias": ("self_attn.o_proj.bias", False),
+    "post_attention_layernorm": ("post_attention_layernorm.weight", False),
+    "gate_proj": ("mlp.gate_proj.weight", True),
+    "up_proj": ("mlp.up_proj.weight", True),
+    "down_proj": ("mlp.down_proj.weight", True),
+    "gate_bias": ("mlp.gate_proj.bias", False),
+    "up_bias": ("mlp.up_proj.bias", False),
+    "down_bias": ("mlp.down_proj.bias", False),
+}
+_TOP_TENSORS = {
+    "embed_tokens": ("model.embed_tokens.weight", False),
+    "norm": ("model.norm.weight", False),
+    "lm_head": ("lm_head.weight", True),
+}
+
+# GGUF (llama.cpp) names -> HF names
+_GGUF_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+             "output.weight": "lm_head.weight"}
+_GGUF_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias", "attn_output.bias": "self_attn.o_proj.bias",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+# A getter returns (array, name in the source file) or None when the tensor is absent.
+Getter = Callable[[str], "tuple[Any, str] | None"]
+
+
+def load_model(path: str | Path, dtype: Any = jnp.float32) -> tuple[ModelConfig, dict[str, Any], Any]:
+    """Load a HF directory or a .gguf file. Returns `(cfg, params, tokenizer)`.
+
+    `tokenizer` is a transformers tokenizer, or None for a HF directory without tokenizer files
+    (e.g. a random test model). Raises FileNotFoundError for a missing path and ValueError for an
+    unsupported architecture or a missing / wrongly shaped tensor.
+    """
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model path does not exist: {path}")
+    dtype = jnp.dtype(dtype)
+    if path.is_file() and path.suffix == ".gguf":
+        return _load_gguf(path, dtype)
+    if path.is_file():
+        raise ValueError(f"model path {path} is a file but not a .gguf; expected a .gguf file or a HF "
+                         "directory with config.json and *.safetensors")
+    return _load_hf_dir(path, dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def _load_hf_dir(path: Path, dtype: jnp.dtype):
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in model directory {path}")
+    hf_cfg = AutoConfig.from_pretrained(path)
+    cfg = ModelConfig.from_hf(hf_cfg)
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({path / f for f in weight_map.values()})
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in model directory {path}")
+    with contextlib.ExitStack() as stack:
+        where: dict[str, Any] = {}
+        for f in files:
+            if not f.is_file():
+                raise FileNotFoundError(f"safetensors shard listed in {index.name} is missing: {f}")
+            # "flax" returns jax arrays: numpy has no bfloat16, which most checkpoints use
+            handle = stack.enter_context(safe_open(str(f), framework="flax"))
+            for name in handle.keys():
+                where[name] = (handle, f.name)
+
+        def get(name: str):
+            if name not in where:
+                return None
+            handle, fname = where[name]
+            return handle.get_tensor(name), f"{name} ({fname})"
+
+        params = _assemble(cfg, get, dtype)
+    tokenizer = None
+    if any((path / f).is_file() for f in _TOKENIZER_FILES):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    else:
+        logger.warning("no tokenizer files in %s; returning tokenizer=None", path)
+    return cfg, params, tokenizer
+
+
+def _load_gguf(path: Path, dtype: jnp.dtype):
+    import gguf
+    from transformers import AutoConfig, AutoTokenizer
+
+    reader = gguf.GGUFReader(str(path))
+    arch_field = reader.fields.get("general.architecture")
+    gguf_arch = arch_field.contents() if arch_field is not None else None
+    try:
+        hf_cfg = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    except ValueError as e:  # transformers refuses architectures it has no GGUF mapping for
+        raise ValueError(f"unsupported GGUF model {path} (general.architecture={gguf_arch!r}): {e}") from e
+    cfg = ModelConfig.from_hf(hf_cfg)
+
+    tensors = {t.name: t for t in reader.tensors}
+    # llama.cpp's converter permutes q/k rows of Llama-style models (Mistral included) for its
+    # interleaved RoPE; Qwen2 uses the rotate-half (NEOX) layout and is stored as is.
+    unpermute = gguf_arch == "llama"
+    hf_to_gguf = {hf: g for g, hf in _GGUF_TOP.items()}
+    for i in range(cfg.num_layers):
+        for g, hf in _GGUF_LAYER.items():
+            hf_to_gguf[f"model.layers.{i}.{hf}"] = f"blk.{i}.{g}"
+
+    def get(name: str):
+        gname = hf_to_gguf.get(name)
+        if gname is None or gname not in tensors:
+            return None
+        t = tensors[gname]
+        return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32), gname
+
+    def unpermute_qk(hf_name: str, w):
+        if unpermute and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            n_head = cfg.num_heads if hf_name.endswith("q_proj.weight") else cfg.num_kv_heads
+            w = w.reshape(n_head, w.shape[0] // n_head // 2, 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
+        return w
+
+    params = _assemble(cfg, get, dtype, unpermute_qk)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return cfg, params, tokenizer
+
+
+def _assemble(cfg: ModelConfig, get: Getter, dtype: jnp.dtype,
+              postprocess: Callable[[str, Any], Any] | None = None) -> dict[str, Any]:
+    """Fetch every tensor `param_shapes(cfg)` asks for, check its shape, `postprocess` it (after the
+    check, so a bad shape gets our message rather than a reshape error), transpose, stack layers."""
+    shapes = param_shapes(cfg)
+
+    def fetch(hf_name: str, ours_shape: tuple[int, ...], transpose: bool):
+        got = get(hf_name)
+        if got is None:
+            raise ValueError(f"checkpoint is missing tensor {hf_name} (expected shape {_hf_shape(ours_shape, transpose)} "
+                             f"for {cfg.architecture})")
+        w, source = got
+        expected = _hf_shape(ours_shape, transpose)
+        if tuple(w.shape) != expected:
+            raise ValueError(f"tensor {source}: expected shape {expected} from the config, got {tuple(w.shape)}")
+        if postprocess is not None:
+            w = postprocess(hf_name, w)
+        w = jnp.asarray(w).astype(dtype)
+        return w.T if transpose else w
+
+    params: dict[str, Any] = {}
+    for key, (hf_name, transpose) in _TOP_TENSORS.items():
+        if key in shapes:
+            params[key] = fetch(hf_name, shapes[key], transpose)
+    params["layers"] = {}
+    for key, layer_shape in shapes["layers"].items():
+        hf_name, transpose = _LAYER_TENSORS[key]
+        params["layers"][key] = jnp.stack(
+            [fetch(f"model.layers.{i}.{hf_name}", layer_shape[1:], transpose) for i in range(cfg.num_layers)])
+    return params
+
+
+def _hf_shape(ours: tuple[int, ...], transpose: bool) -> tuple[int, ...]:
+    return tuple(reversed(ours)) if transpose else tuple(ours)
