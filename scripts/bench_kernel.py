@@ -13,6 +13,13 @@ On CPU the kernels run in interpret mode: a small f32 sweep that checks correctn
 timings measure the interpreter, not a kernel, and mean nothing.
 
 Writes results/bench_kernel.json and results/bench_kernel.png (see --out).
+
+--ragged instead times one mixed continuous-batching step through the ragged kernel
+(pagedjax.pallas.ragged_paged_attention): on a GPU, 2 prefill chunks of 512 tokens + 62 decodes,
+every sequence at a 2048-token context (32 heads / 8 kv heads, head_dim 128, bf16, block 16),
+against the jnp reference path, with the bytes of K/V the step must read and the bandwidth that
+achieves; plus a decode-only step (64 decodes) through the ragged and the decode kernel. On CPU a
+tiny step checks correctness only. Writes results/bench_ragged.json and results/bench_ragged.png.
 """
 
 from __future__ import annotations
@@ -43,11 +50,44 @@ def parse_args(argv=None):
                    help="do not time the jnp reference (it is still used for the check)")
     p.add_argument("--out", default="results", help="output directory (default: results/)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ragged", action="store_true",
+                   help="time a mixed prefill+decode step through the ragged kernel instead")
     return p.parse_args(argv)
+
+
+def make_timer(reps):
+    """timed(fn, *xs) -> (output, median seconds of reps calls after two warm-up calls)."""
+
+    def timed(fn, *xs):
+        out = fn(*xs)
+        out.block_until_ready()  # compile + first run
+        fn(*xs).block_until_ready()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn(*xs).block_until_ready()
+            times.append(time.perf_counter() - t0)
+        return out, statistics.median(times)
+
+    return timed
+
+
+def copy_bandwidth(timed, on_cpu):
+    """Device-to-device copy bandwidth: read + write bytes over time, the ceiling a streaming
+    kernel that reads its K/V once can approach."""
+    import jax
+    import jax.numpy as jnp
+
+    copy_bytes = (16 << 20) if on_cpu else (2 << 30)
+    buf = jnp.ones((copy_bytes // 4,), jnp.float32)
+    _, t_copy = timed(jax.jit(lambda x: x + 1.0), buf)  # reads and writes every byte once
+    return 2 * copy_bytes / t_copy
 
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.ragged:
+        return ragged_main(args)
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -89,24 +129,8 @@ def main(argv=None):
         print("CPU: the kernels run in Pallas interpret mode. This run checks correctness only; "
               "its timings measure the interpreter and MEAN NOTHING about kernel speed.")
 
-    def timed(fn, *xs):
-        out = fn(*xs)
-        out.block_until_ready()  # compile + first run
-        fn(*xs).block_until_ready()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn(*xs).block_until_ready()
-            times.append(time.perf_counter() - t0)
-        return out, statistics.median(times)
-
-    # Device-to-device copy bandwidth: read + write bytes over time, the ceiling a streaming
-    # kernel that reads its K/V once can approach.
-    copy_bytes = (16 << 20) if on_cpu else (2 << 30)
-    buf = jnp.ones((copy_bytes // 4,), jnp.float32)
-    _, t_copy = timed(jax.jit(lambda x: x + 1.0), buf)  # reads and writes every byte once
-    copy_bw = 2 * copy_bytes / t_copy
-    del buf
+    timed = make_timer(reps)
+    copy_bw = copy_bandwidth(timed, on_cpu)
     print(f"device copy bandwidth (read + write): {copy_bw / 1e9:.1f} GB/s")
 
     paged = jax.jit(lambda *xs: paged_attention(*xs, variant=args.variant))
@@ -241,6 +265,197 @@ def plot(rows, sweep, copy_bw, on_cpu, path):
     if on_cpu:
         title += " (CPU INTERPRET MODE: TIMINGS MEAN NOTHING)"
     fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def mixed_step(key, rng, q_lens, context, block_size, heads, kv_heads, head_dim, dtype, num_tokens):
+    """One step's ragged inputs: sequence s has q_lens[s] new tokens, all at `context` tokens
+    (including the new ones), its blocks shuffled over the pool."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    num_seqs = len(q_lens)
+    max_blocks = -(-context // block_size)
+    num_blocks = 1 + num_seqs * max_blocks  # block 0 is the null block
+    tables = rng.permutation(np.arange(1, num_blocks, dtype=np.int32)).reshape(num_seqs, max_blocks)
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    kq, kk, kv = jax.random.split(key, 3)
+    shape = (kv_heads, num_blocks, block_size, head_dim)
+    return (jax.random.normal(kq, (num_tokens, heads, head_dim), dtype),
+            jax.random.normal(kk, shape, dtype), jax.random.normal(kv, shape, dtype),
+            jnp.asarray(tables), jnp.full((num_seqs,), context, jnp.int32), jnp.asarray(qsl),
+            jnp.int32(num_seqs))
+
+
+def ragged_main(args):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental import pallas as pl
+
+    from pagedjax.pallas import (
+        paged_attention,
+        paged_attention_reference,
+        ragged_paged_attention,
+        ragged_paged_attention_reference,
+    )
+    from pagedjax.pallas.paged_attention import GPU_MIN_ROWS, TOKENS_PER_STEP
+    from pagedjax.pallas.ragged_paged_attention import TPU_MIN_ROWS, default_block_q
+
+    backend = jax.default_backend()
+    on_cpu = backend == "cpu"
+    if on_cpu:
+        chunks, decodes, context, block_size = [24], 5, 96, 16
+        heads, kv_heads, head_dim, dtype_name, reps = 9, 3, 64, "float32", 3
+    else:
+        chunks, decodes, context, block_size = [512, 512], 62, 2048, 16
+        heads, kv_heads, head_dim, dtype_name, reps = 32, 8, 128, "bfloat16", 20
+    context = (args.context or [context])[0]
+    block_size = (args.block_size or [block_size])[0]
+    heads = args.num_heads or heads
+    kv_heads = args.num_kv_heads or kv_heads
+    head_dim = args.head_dim or head_dim
+    dtype = jnp.dtype(args.dtype or dtype_name)
+    reps = args.reps or reps
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    variant = args.variant if args.variant != "auto" else ("tpu" if backend == "tpu" else "gpu")
+
+    device = jax.devices()[0]
+    print(f"jax {jax.__version__}, backend {backend}, device {device.device_kind}")
+    print(f"ragged step: chunks {chunks} + {decodes} decodes, context {context}, block {block_size}, "
+          f"heads {heads} / kv heads {kv_heads}, head_dim {head_dim}, {dtype.name}, {variant} "
+          f"variant, median of {reps} runs")
+    if on_cpu:
+        print("CPU: the kernels run in Pallas interpret mode. This run checks correctness only; "
+              "its timings measure the interpreter and MEAN NOTHING about kernel speed.")
+    timed = make_timer(reps)
+    copy_bw = copy_bandwidth(timed, on_cpu)
+    print(f"device copy bandwidth (read + write): {copy_bw / 1e9:.1f} GB/s")
+
+    kernel = jax.jit(lambda *xs: ragged_paged_attention(*xs, variant=variant))
+    reference = jax.jit(ragged_paged_attention_reference)
+    decode_kernel = jax.jit(lambda q, k, v, bt, lens: paged_attention(q, k, v, bt, lens,
+                                                                      variant=variant))
+    decode_reference = jax.jit(paged_attention_reference)
+    group = heads // kv_heads
+    group_rows = pl.next_power_of_2(group) if variant == "gpu" else group
+    min_rows = GPU_MIN_ROWS if variant == "gpu" else TPU_MIN_ROWS
+
+    def kv_bytes(q_lens, num_tokens):
+        """(bytes of K/V the step needs, each page once; bytes the kernel issues: every query tile
+        of a chunk reads the pages up to its last token, rounded up to whole steps)."""
+        per_token = 2 * kv_heads * head_dim * dtype.itemsize
+        bq = default_block_q(num_tokens, len(q_lens), group_rows, min_rows)
+        step = max(TOKENS_PER_STEP // block_size, 1) * block_size
+        issued = 0
+        for q_len in q_lens:
+            for j in range(-(-q_len // bq)):
+                kv_len = context - q_len + min((j + 1) * bq, q_len)
+                issued += -(-kv_len // step) * step
+        return len(q_lens) * context * per_token, issued * per_token
+
+    def rel_err(out, ref):
+        out, ref = out.astype(jnp.float32), ref.astype(jnp.float32)
+        return float(jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref)))
+
+    rng = np.random.default_rng(args.seed)
+    key = jax.random.key(args.seed)
+    rows, failures = [], []
+
+    def report(name, seconds, need, issued, err):
+        row = dict(name=name, seconds=seconds, kv_bytes=need, kv_bytes_issued=issued,
+                   bandwidth=need / seconds if need else None,
+                   fraction_of_copy_bandwidth=need / seconds / copy_bw if need else None,
+                   max_rel_err=err)
+        rows.append(row)
+        if err is not None and not err <= tol:
+            failures.append((name, err))
+        bw = f"{need / seconds / 1e9:>8.1f} {100 * need / seconds / copy_bw:>6.1f}" if need else (
+            f"{'':>8} {'':>6}")
+        mib = f"{need / 2**20:>8.1f} {issued / 2**20:>9.1f}" if need else f"{'':>8} {'':>9}"
+        print(f"{name:<28} {seconds * 1e3:>9.3f} | {mib} | {bw} | "
+              f"{'' if err is None else f'{err:.1e}':>8}", flush=True)
+
+    header = (f"{'path':<28} {'ms':>9} | {'KV MiB':>8} {'issued':>9} | {'GB/s':>8} {'% copy':>6} | "
+              f"{'max err':>8}")
+    print(header)
+    print("-" * len(header))
+
+    # The mixed step: chunks first, then the decodes; T padded to a multiple of 64 (a bucket).
+    q_lens = chunks + [1] * decodes
+    num_tokens = -(-sum(q_lens) // 64) * 64
+    step = mixed_step(key, rng, q_lens, context, block_size, heads, kv_heads, head_dim, dtype,
+                      num_tokens)
+    need, issued = kv_bytes(q_lens, num_tokens)
+    out, t_kernel = timed(kernel, *step)
+    if args.skip_reference:
+        ref, t_ref = reference(*step), None
+    else:
+        ref, t_ref = timed(reference, *step)
+    err = rel_err(out, ref)
+    report("mixed: ragged kernel", t_kernel, need, issued, err)
+    if t_ref is not None:
+        # The reference gathers every row's whole block table.
+        gathered = num_tokens * -(-context // block_size) * block_size * 2 * kv_heads * head_dim
+        report("mixed: jnp reference", t_ref, need, gathered * dtype.itemsize, None)
+    del step, out, ref
+
+    # Decode only: does a decode step want the ragged kernel or the decode kernel?
+    n_dec = len(q_lens)
+    key, sub = jax.random.split(key)
+    q, k_pages, v_pages, tables, lens, qsl, n = mixed_step(
+        sub, rng, [1] * n_dec, context, block_size, heads, kv_heads, head_dim, dtype, n_dec)
+    need, issued = kv_bytes([1] * n_dec, n_dec)
+    out, t_ragged = timed(kernel, q, k_pages, v_pages, tables, lens, qsl, n)
+    out_dec, t_dec = timed(decode_kernel, q, k_pages, v_pages, tables, lens)
+    ref = decode_reference(q, k_pages, v_pages, tables, lens)
+    report(f"decode x{n_dec}: ragged kernel", t_ragged, need, issued, rel_err(out, ref))
+    report(f"decode x{n_dec}: decode kernel", t_dec, need, need, rel_err(out_dec, ref))
+
+    os.makedirs(args.out, exist_ok=True)
+    result = dict(jax_version=jax.__version__, backend=backend, device=device.device_kind,
+                  interpret_mode=on_cpu, timings_meaningful=not on_cpu, chunks=chunks,
+                  decodes=decodes, context=context, block_size=block_size, num_tokens=num_tokens,
+                  num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype.name,
+                  variant=variant, reps=reps, copy_bandwidth=copy_bw, tolerance=tol, rows=rows,
+                  failures=[dict(name=n_, max_rel_err=e) for n_, e in failures])
+    json_path = os.path.join(args.out, "bench_ragged.json")
+    with open(json_path, "w") as f:
+        json.dump(result, f, indent=1)
+    png_path = os.path.join(args.out, "bench_ragged.png")
+    plot_ragged(rows, on_cpu, png_path)
+    print(f"wrote {json_path} and {png_path}")
+    if on_cpu:
+        print("(CPU interpret mode: the timings above mean nothing; the error column is the result)")
+    elif t_ref is not None:
+        print(f"mixed step: reference / kernel = {t_ref / t_kernel:.1f}x")
+    if failures:
+        print(f"CORRECTNESS FAILURES (tolerance {tol}): {failures}")
+        return 1
+    print(f"all outputs match the reference within {tol}")
+    return 0
+
+
+def plot_ragged(rows, on_cpu, path):
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.barh([r["name"] for r in rows], [r["seconds"] * 1e3 for r in rows])
+    ax.set_xscale("log")
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xlabel("ms per call (median, log scale)")
+    ax.invert_yaxis()
+    title = "ragged paged attention: one step"
+    if on_cpu:
+        title += "\n(CPU INTERPRET MODE: TIMINGS MEAN NOTHING)"
+    ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
