@@ -102,14 +102,16 @@ class MetricsRecorder:
             stats.occupancy = None
         self.steps.append(stats)
 
-    def record_finished(self, req) -> None:
+    def record_finished(self, req) -> RequestRecord:
         t = req.times
-        self.finished.append(RequestRecord(
+        rec = RequestRecord(
             request_id=req.request_id, group_id=req.group_id, num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=req.num_output_tokens, arrival=t.arrival, first_scheduled=t.first_scheduled,
             first_token=t.first_token, finished=t.finished, token_times=list(t.token_times),
             finish_reason=req.finish_reason, num_preemptions=req.num_preemptions,
-            num_cached_tokens=max(req.num_cached_tokens, 0)))
+            num_cached_tokens=max(req.num_cached_tokens, 0))
+        self.finished.append(rec)
+        return rec
 
     def reset(self) -> None:
         self.steps.clear()

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pagedjax.model import AttentionMetadata, ModelConfig, compute_logits, forward, load_model
-from pagedjax.model.llama import init_kv_cache, init_random_params, rope_inv_freq
+from pagedjax.model.llama import forward_split, init_kv_cache, init_random_params, rope_inv_freq
 
 BLOCK_SIZE = 4
 
@@ -66,14 +66,21 @@ class Pager:
         return jnp.asarray(token_ids), jnp.asarray(positions), attn, qsl[1: len(work) + 1] - 1
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("kv_cache",))
-def step_fn(params, cfg, token_ids, positions, kv_cache, attn):
-    hidden, kv_cache = forward(params, cfg, token_ids, positions, kv_cache, attn)
+@functools.partial(jax.jit, static_argnames=("cfg", "split"), donate_argnames=("kv_cache",))
+def step_fn(params, cfg, token_ids, positions, kv_cache, attn, split=False):
+    fwd = forward_split if split else forward
+    hidden, kv_cache = fwd(params, cfg, token_ids, positions, kv_cache, attn)
     return compute_logits(params, cfg, hidden), kv_cache
 
 
-def nan_cache(cfg: ModelConfig, num_blocks: int, dtype=jnp.float32):
+def nan_cache(cfg: ModelConfig, num_blocks: int, dtype=jnp.float32, split=False):
+    """A cache no real value was written to: NaN for `forward` (its attention masks values too);
+    large finite garbage for `forward_split`, which relies on the pool never holding a
+    non-finite value (write_kv guarantees it) and would otherwise meet 0 * NaN."""
     k, v = init_kv_cache(cfg, num_blocks, BLOCK_SIZE, dtype)
+    if split:
+        g = jax.random.uniform(jax.random.key(3), k.shape, jnp.float32, -1e4, 1e4).astype(dtype)
+        return g, -g
     return jnp.full_like(k, jnp.nan), jnp.full_like(v, jnp.nan)
 
 
@@ -174,7 +181,8 @@ def test_config_from_hf(tiny):
                                       hf.model.layers[i].self_attn.q_proj.weight.detach().numpy().T)
 
 
-def test_ragged_prefill_and_decode_match_hf(tiny):
+@pytest.mark.parametrize("split", [False, True], ids=["forward", "forward_split"])
+def test_ragged_prefill_and_decode_match_hf(tiny, split):
     """4 prompts prefilled in one call; then greedy decode with a 5th prompt arriving mid-way,
     prefilled in two chunks alongside the others' decode tokens."""
     name, hf, cfg, params, _ = tiny
@@ -182,11 +190,11 @@ def test_ragged_prefill_and_decode_match_hf(tiny):
     prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (5, 1, 12, 7, 9)]
     T, S, max_blocks, num_blocks = 40, 6, 8, 48
     pager = Pager(num_blocks, rng)
-    kv = nan_cache(cfg, num_blocks)
+    kv = nan_cache(cfg, num_blocks, split=split)
 
     # one ragged prefill of the first four prompts
     token_ids, positions, attn, _ = pager.step(list(enumerate(prompts[:4])), T, S, max_blocks)
-    logits, kv = step_fn(params, cfg, token_ids, positions, kv, attn)
+    logits, kv = step_fn(params, cfg, token_ids, positions, kv, attn, split)
     logits = np.asarray(logits)
     start = 0
     for sid in range(4):
@@ -209,7 +217,7 @@ def test_ragged_prefill_and_decode_match_hf(tiny):
         else:
             work.append((4, [seqs[4][-1]]))
         token_ids, positions, attn, rows = pager.step(work, T, S, max_blocks)
-        logits, kv = step_fn(params, cfg, token_ids, positions, kv, attn)
+        logits, kv = step_fn(params, cfg, token_ids, positions, kv, attn, split)
         logits = np.asarray(logits)
         for (sid, _), row in zip(work, rows):
             if sid == 4 and step == 0:

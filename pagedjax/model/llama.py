@@ -288,7 +288,10 @@ def write_kv(cache: jax.Array, new: jax.Array, slot_mapping: jax.Array) -> jax.A
     # -1 would wrap around to the last slot under numpy indexing rules: send it out of range instead,
     # where mode="drop" discards it.
     slots = jnp.where(slot_mapping < 0, nb * bs, slot_mapping)
-    flat = flat.at[..., slots, :].set(jnp.swapaxes(new, -3, -2).astype(cache.dtype), mode="drop")
+    # The pool never holds a non-finite value: a request whose activations overflow ends with an
+    # error, and its blocks are reused by others whose attention must not meet 0 * NaN.
+    new = jnp.where(jnp.isfinite(new), new, 0).astype(cache.dtype)
+    flat = flat.at[..., slots, :].set(jnp.swapaxes(new, -3, -2), mode="drop")
     return flat.reshape(cache.shape)
 
 
@@ -313,27 +316,17 @@ def forward(params: Mapping[str, Any], cfg: ModelConfig, token_ids: jax.Array, p
         attn = AttentionMetadata(**attn)
     dtype = params["embed_tokens"].dtype
     T = token_ids.shape[0]
-    H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     x = params["embed_tokens"][token_ids]
     cos, sin = rope_cos_sin(cfg, positions, dtype)
     k_cache, v_cache = kv_cache
 
     def layer(x, xs):
         lp, kc, vc = xs
-        h = rms_norm(x, lp["input_layernorm"], cfg.rms_norm_eps)
-        q = _linear(h, lp["q_proj"], lp, "q_bias").reshape(T, H, D)
-        k = _linear(h, lp["k_proj"], lp, "k_bias").reshape(T, KVH, D)
-        v = _linear(h, lp["v_proj"], lp, "v_bias").reshape(T, KVH, D)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = _qkv(cfg, lp, x, cos, sin)
         # The attention must see this step's own K/V, so write them into this layer's pages first.
         kc, vc = write_kv(kc, k, attn.slot_mapping), write_kv(vc, v, attn.slot_mapping)
         o = attention_fn(q, kc, vc, attn).astype(dtype)
-        x = x + _linear(o.reshape(T, H * D), lp["o_proj"], lp, "o_bias")
-        h = rms_norm(x, lp["post_attention_layernorm"], cfg.rms_norm_eps)
-        gate = _linear(h, lp["gate_proj"], lp, "gate_bias")
-        up = _linear(h, lp["up_proj"], lp, "up_bias")
-        x = x + _linear(jax.nn.silu(gate) * up, lp["down_proj"], lp, "down_bias")
-        return x, (k.astype(kc.dtype), v.astype(vc.dtype))
+        return _attn_out_and_mlp(cfg, lp, x, o), (k.astype(kc.dtype), v.astype(vc.dtype))
 
     # PERF (see shared/PLATFORM.md): a cache fed to lax.scan as xs is sliced (copied) layer by layer,
     # ~150 ms per step at batch 32 / context 512 on the 2-core CPU. Here the layer slices are only
@@ -341,6 +334,110 @@ def forward(params: Mapping[str, Any], cfg: ModelConfig, token_ids: jax.Array, p
     # after the loop, with one scatter that can update a donated buffer in place. Per-layer buffers
     # or a kernel that reads pages straight from the stacked cache would remove the slice copies.
     x, (new_k, new_v) = jax.lax.scan(layer, x, (params["layers"], k_cache, v_cache))
+    k_cache = write_kv(k_cache, new_k, attn.slot_mapping)
+    v_cache = write_kv(v_cache, new_v, attn.slot_mapping)
+    return x, (k_cache, v_cache)
+
+
+def _qkv(cfg: ModelConfig, lp: Mapping[str, jax.Array], x: jax.Array, cos: jax.Array, sin: jax.Array):
+    """A layer's q [T, H, D] and k, v [T, KVH, D] (rotary embeddings applied) from the residual x."""
+    T = x.shape[0]
+    h = rms_norm(x, lp["input_layernorm"], cfg.rms_norm_eps)
+    q = _linear(h, lp["q_proj"], lp, "q_bias").reshape(T, cfg.num_heads, cfg.head_dim)
+    k = _linear(h, lp["k_proj"], lp, "k_bias").reshape(T, cfg.num_kv_heads, cfg.head_dim)
+    v = _linear(h, lp["v_proj"], lp, "v_bias").reshape(T, cfg.num_kv_heads, cfg.head_dim)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def _attn_out_and_mlp(cfg: ModelConfig, lp: Mapping[str, jax.Array], x: jax.Array, o: jax.Array) -> jax.Array:
+    """The rest of a layer after attention: output projection, residual, SwiGLU MLP, residual."""
+    x = x + _linear(o.reshape(x.shape[0], -1), lp["o_proj"], lp, "o_bias")
+    h = rms_norm(x, lp["post_attention_layernorm"], cfg.rms_norm_eps)
+    gate = _linear(h, lp["gate_proj"], lp, "gate_bias")
+    up = _linear(h, lp["up_proj"], lp, "up_bias")
+    return x + _linear(jax.nn.silu(gate) * up, lp["down_proj"], lp, "down_bias")
+
+
+def token_layout(attn: AttentionMetadata, T: int):
+    """Per token: its row (sequence), its position, where its row's new tokens start, and
+    whether it is a real token. Rows >= num_seqs are padding."""
+    qsl = attn.query_start_loc
+    S = attn.block_tables.shape[0]
+    t = jnp.arange(T, dtype=jnp.int32)
+    live = jnp.arange(S) < attn.num_seqs
+    seq = jnp.sum(live[None, :] & (qsl[1:][None, :] <= t[:, None]), axis=1)
+    seq = jnp.minimum(seq, S - 1)
+    valid = (t >= qsl[0]) & (t < qsl[jnp.clip(attn.num_seqs, 0, S)])
+    q_len = qsl[seq + 1] - qsl[seq]
+    start = attn.context_lens[seq] - q_len          # first position written this step
+    pos = start + (t - qsl[seq])
+    return seq, pos, start, valid
+
+
+def split_attention(q, k_new, v_new, k_ctx, v_ctx, seq, pos, start, valid):
+    """Attention over two parts: the cached context read from the pool (positions < start of
+    the row's new tokens) and this step's own K/V (same row, causal). One softmax over both.
+
+    q [T, H, D]; k_new, v_new [T, KVH, D]; k_ctx, v_ctx [T, KVH, L, D] (each token's row's
+    pages, gathered); seq, pos, start, valid from `token_layout`. Returns f32 [T, H, D]."""
+    T, H, D = q.shape
+    KVH = k_new.shape[1]
+    L = k_ctx.shape[2]
+    qg = q.astype(jnp.float32).reshape(T, KVH, H // KVH, D) * (D ** -0.5)
+    # multiply-and-reduce beats dot_general for these skinny per-token products on CPU
+    s_ctx = jnp.sum(qg[:, :, :, None, :] * k_ctx.astype(jnp.float32)[:, :, None, :, :], axis=-1)  # [T,KVH,G,L]
+    s_new = jnp.einsum("tkgd,ukd->tkgu", qg, k_new.astype(jnp.float32))
+    m_ctx = (jnp.arange(L)[None, :] < start[:, None]) & valid[:, None]                      # [T, L]
+    m_new = (seq[None, :] == seq[:, None]) & (pos[None, :] <= pos[:, None]) & valid[None, :] & valid[:, None]
+    s_ctx = jnp.where(m_ctx[:, None, None, :], s_ctx, -jnp.inf)
+    s_new = jnp.where(m_new[:, None, None, :], s_new, -jnp.inf)
+    m = jnp.maximum(jnp.max(s_ctx, axis=-1), jnp.max(s_new, axis=-1))[..., None]
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p_ctx, p_new = jnp.exp(s_ctx - m), jnp.exp(s_new - m)
+    denom = jnp.sum(p_ctx, axis=-1) + jnp.sum(p_new, axis=-1)
+    o = jnp.sum(p_ctx[..., None] * v_ctx.astype(jnp.float32)[:, :, None, :, :], axis=-2)
+    o = o + jnp.einsum("tkgu,ukd->tkgd", p_new, v_new.astype(jnp.float32))
+    o = o / jnp.where(denom > 0, denom, 1.0)[..., None]
+    return o.reshape(T, H, D)
+
+
+def forward_split(params: Mapping[str, Any], cfg: ModelConfig, token_ids: jax.Array, positions: jax.Array,
+                  kv_cache: tuple[jax.Array, jax.Array], attn: AttentionMetadata | Mapping[str, jax.Array],
+                  ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """`forward` for the CPU: the same math, but the pool is only *read* inside the layer loop
+    and the step's K/V are written once after it.
+
+    Why (shared/PLATFORM.md): a cache fed to lax.scan as xs is copied layer slice by layer
+    slice, and a cache carried and scattered into costs more still. Here each layer gathers only
+    the pages its tokens need, straight from the whole stacked cache, and attends over those
+    (positions before the row's new tokens) plus the step's own K/V. So a request must never
+    read, in the same step, a block another request is filling: the KV cache manager keeps
+    such blocks pending until the step has run.
+    """
+    if isinstance(attn, Mapping):
+        attn = AttentionMetadata(**attn)
+    dtype = params["embed_tokens"].dtype
+    T = token_ids.shape[0]
+    x = params["embed_tokens"][token_ids]
+    cos, sin = rope_cos_sin(cfg, positions, dtype)
+    k_cache, v_cache = kv_cache
+    seq, pos, start, valid = token_layout(attn, T)
+    tables = attn.block_tables[seq]                     # [T, P]
+    bs = k_cache.shape[3]
+
+    def layer(x, xs):
+        lp, l = xs
+        q, k, v = _qkv(cfg, lp, x, cos, sin)
+        # one gather per layer from the loop-invariant stacked cache: [T, P, KVH, bs, D]
+        kc = k_cache[l, :, tables].reshape(T, -1, cfg.num_kv_heads, bs, cfg.head_dim)
+        vc = v_cache[l, :, tables].reshape(T, -1, cfg.num_kv_heads, bs, cfg.head_dim)
+        kc = jnp.moveaxis(kc, 2, 1).reshape(T, cfg.num_kv_heads, -1, cfg.head_dim)
+        vc = jnp.moveaxis(vc, 2, 1).reshape(T, cfg.num_kv_heads, -1, cfg.head_dim)
+        o = split_attention(q, k, v, kc, vc, seq, pos, start, valid).astype(dtype)
+        return _attn_out_and_mlp(cfg, lp, x, o), (k.astype(k_cache.dtype), v.astype(v_cache.dtype))
+
+    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    x, (new_k, new_v) = jax.lax.scan(layer, x, (params["layers"], layer_ids))
     k_cache = write_kv(k_cache, new_k, attn.slot_mapping)
     v_cache = write_kv(v_cache, new_v, attn.slot_mapping)
     return x, (k_cache, v_cache)

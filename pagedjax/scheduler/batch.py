@@ -76,6 +76,11 @@ class BatchPacker:
         self.copy_buckets = copy_buckets
         self._buffers: dict[tuple[int, int, int], StepInput] = {}
 
+    def rows_for(self, T: int) -> int:
+        """The row bucket S of a token bucket T: the smallest seq bucket holding min(T, max_num_seqs)
+        rows. Tying S to T keeps the number of compiled shapes at |T buckets| x |P buckets|."""
+        return pick_bucket(self.config.seq_buckets, min(T, self.config.max_num_seqs), "sequences in one step")
+
     def _buffers_for(self, T: int, S: int, P: int) -> StepInput:
         buf = self._buffers.get((T, S, P))
         if buf is None:
@@ -100,8 +105,9 @@ class BatchPacker:
         tables = [kv.req_to_blocks[r.request_id] for r in rows]
         ctx = [r.num_computed_tokens + n for r, n in zip(rows, out.num_new_tokens)]
         max_pages = cdiv(max(ctx, default=1), bs)
-        T = pick_bucket(cfg.token_buckets, max(n_tokens, 1), "tokens in one step")
-        S = pick_bucket(cfg.seq_buckets, max(len(rows), 1), "sequences in one step")
+        # rows exceed tokens only by forked samples (rows with no token of their own)
+        T = pick_bucket(cfg.token_buckets, max(n_tokens, len(rows), 1), "tokens in one step")
+        S = self.rows_for(T)
         P = pick_bucket(cfg.page_buckets, max(max_pages, 1), "blocks per sequence")
         b = self._buffers_for(T, S, P)
 

@@ -234,6 +234,21 @@ class KVCacheManager:
                 self._pending.add(table[i])
         self.num_cached_blocks[req_id] = n_full
 
+    def rollback_step(self, requests) -> None:
+        """The step scheduled since the last commit did not run: forget the blocks registered
+        for it (they hold nothing) so they are offered again once really filled."""
+        for b in self._pending:
+            h = self.pool.block_hash[b]
+            if h is not None:
+                self.pool.block_hash[b] = None
+                if self.pool.cached.get(h) == b:
+                    del self.pool.cached[h]
+        self._pending.clear()
+        for req in requests:
+            if req.request_id in self.num_cached_blocks:
+                self.num_cached_blocks[req.request_id] = min(self.num_cached_blocks[req.request_id],
+                                                             req.num_computed_tokens // self.block_size)
+
     def commit(self) -> None:
         """The step scheduled since the last commit has run: its blocks now hold their content."""
         self._pending.clear()

@@ -56,7 +56,10 @@ class SchedulerOutput:
     num_new_tokens: list[int] = field(default_factory=list)   # tokens computed for each row this step
     sample_from: list[int] = field(default_factory=list)      # the row whose last token's logits it samples
     needs_sample: list[bool] = field(default_factory=list)    # False for a prefill chunk before the prompt's end
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device blocks
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device blocks, before the forward
+    # (src, dst) device blocks copied *after* the forward pass: a contiguous fork copies the
+    # prompt the parent's last chunk writes in this very step
+    block_copies_after: list[tuple[int, int]] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)      # (device, host) blocks
     swap_in: list[tuple[int, int]] = field(default_factory=list)       # (host, device) blocks
     preempted: list[str] = field(default_factory=list)
@@ -236,7 +239,12 @@ class Scheduler:
         for child in forked:
             self._insert_running(child)
         self._forked = []
-        out.block_copies = self.kv.pop_block_copies()
+        # paged copies are copy-on-write (the step then writes into the copy): before the forward.
+        # contiguous copies are forks, whose source the step is still writing: after it
+        if self.kv.contiguous:
+            out.block_copies_after = self.kv.pop_block_copies()
+        else:
+            out.block_copies = self.kv.pop_block_copies()
         self._record_step(out, now)
         return out
 
@@ -280,6 +288,10 @@ class Scheduler:
         self.kv.fork(parent.request_id, child.request_id)
         self.requests[child.request_id] = child
         parent.children.append(child.request_id)
+        if parent.request_id in self.static_batch:
+            # the samples belong to their parent's static batch: one preempted must be readmitted
+            # with it, or it heads the waiting queue as a non-member and nothing runs again
+            self.static_batch.add(child.request_id)
         return child
 
     def fork_request(self, parent_id: str, child: Request) -> None:
@@ -320,7 +332,12 @@ class Scheduler:
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
-        self.waiting.appendleft(req)
+        # back in its FCFS place: ahead of newer arrivals, but behind an older request preempted
+        # earlier (a swapped request can resume, run and be preempted again before it)
+        i = 0
+        while i < len(self.waiting) and self.waiting[i].order < req.order:
+            i += 1
+        self.waiting.insert(i, req)
 
     # -- results ----------------------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, sampled: Sequence[int],
@@ -398,7 +415,7 @@ class Scheduler:
         req.times.finished = now
         del self.requests[req.request_id]
         self.static_batch.discard(req.request_id)
-        self.metrics.record_finished(req)
+        req.record = self.metrics.record_finished(req)
 
     # -- seats, queues, stats ---------------------------------------------------------------------
     def _insert_running(self, req: Request) -> None:

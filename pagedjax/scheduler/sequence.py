@@ -72,6 +72,7 @@ class Request:
     order: tuple = ()                 # FCFS key: (arrival, admission counter, sample index)
     times: RequestTimes = None        # type: ignore[assignment]
     _sampling_row: tuple | None = field(default=None, repr=False)
+    record: object = field(default=None, repr=False)  # its metrics.RequestRecord once finished
 
     def __post_init__(self):
         if not self.all_token_ids:

@@ -3,9 +3,11 @@
 `SimExecutor` stands in for the runner. It keeps a shadow KV pool of token ids, applies every
 swap and copy the scheduler asks for, writes each scheduled token at its slot, and samples the
 next token by a deterministic rule that *reads the context back through the block table*
-(the previous token and one further back). So a wrong block table, a missed copy-on-write or a
-lost swap changes the tokens a request produces, and comparing against a run with ample memory
-catches it. With `check_kv=True` every row's whole context is read back and compared.
+(the previous token and one further back), as the cache stood before the step plus the row's own
+new tokens, as the device sees it. So a wrong block table, a missed copy-on-write, a lost swap
+or a prefix hit on a block still being filled changes the tokens a request produces, and
+comparing against a run with ample memory (`run_alone`) catches it. With `check_kv=True` every
+row's whole context is read back and compared, before the step's writes and after.
 
 Step time runs on a virtual clock: a + b * tokens + c * context tokens, so a schedule of
 100,000 requests can be studied in seconds.
@@ -56,6 +58,27 @@ def next_token_rule(seed: np.ndarray, pos: np.ndarray, prev: np.ndarray, back: n
     return (x % np.uint64(vocab)).astype(np.int64)
 
 
+def run_alone(req: Request, max_model_len: int, vocab_size: int = 1000) -> tuple[list[int], str]:
+    """(output tokens, finish reason) the sim produces for `req` alone with ample memory,
+    straight from the next-token rule with no scheduler. The rule reads only the request's own
+    seed and tokens, so every schedule (any batch, preempted, swapped, forked) must give this."""
+    sp = req.sampling_params
+    seed = np.array([req.seed], np.uint64)
+    tokens, out = list(req.prompt_token_ids), []
+    while True:
+        c = len(tokens)
+        token = int(next_token_rule(seed, np.array([c]), np.array([tokens[c - 1]]),
+                                    np.array([tokens[(c - 1) // 2]]), vocab_size)[0])
+        tokens.append(token)
+        out.append(token)
+        # the scheduler's stop order: eos, stop_token_ids, then length
+        if (not sp.ignore_eos and req.eos_token_id is not None and token == req.eos_token_id) \
+                or (sp.stop_token_ids and token in sp.stop_token_ids):
+            return out, "stop"
+        if len(out) >= sp.max_tokens or len(tokens) >= max_model_len:
+            return out, "length"
+
+
 class SimExecutor:
     def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0, vocab_size: int = 1000,
                  cost: StepCost | None = None, check_kv: bool = False):
@@ -72,39 +95,55 @@ class SimExecutor:
         for s, d in pairs:
             dst_mem[d * bs:(d + 1) * bs] = src_mem[s * bs:(s + 1) * bs]
 
+    @staticmethod
+    def _check(req: Request, got: np.ndarray, what: str) -> None:
+        want = np.asarray(req.all_token_ids[:len(got)])
+        if not np.array_equal(got, want):
+            bad = int(np.argmax(got != want))
+            raise AssertionError(f"KV of {req.request_id} {what} {got[bad]} at position {bad}, not {want[bad]}")
+
     def execute(self, out: SchedulerOutput, step: StepInput) -> tuple[np.ndarray, np.ndarray | None, float]:
         """Run one step: returns (sampled token per row, per-row error mask or None, step time)."""
         bs = self.bs
-        # the runner's order: swap-out, swap-in, copy-on-write copies, then the forward pass
+        # the runner's order: swap-out, swap-in, copy-on-write copies, the forward pass, then the
+        # copies of contiguous forks (whose source the forward pass writes)
         self._copy_blocks(out.swap_out, self.kv, self.host)
         self._copy_blocks(out.swap_in, self.host, self.kv)
         self._copy_blocks(out.block_copies, self.kv, self.kv)
-        n = int(step.num_tokens)
-        slots = step.slot_mapping[:n]
-        self.kv[slots[slots >= 0]] = step.token_ids[:n][slots >= 0]
 
         S = int(step.num_seqs)
         ctx = step.context_lens[:S].astype(np.int64)
         tables = step.block_tables[:S].astype(np.int64)
+        qsl = step.query_start_loc[:S + 1].astype(np.int64)
+        start = ctx - (qsl[1:] - qsl[:-1])  # the first position each row computes this step
         rows = np.arange(S)
+        src = np.asarray(out.sample_from, np.int64)  # a forked sample samples from its parent's row
 
+        def cached(s, pos):
+            return self.kv[tables[s, pos // bs] * bs + pos % bs]
+
+        # the forward pass sees the cache as it was before the step (the runner writes the step's
+        # K/V after its layer loop) plus each row's own new tokens: a row reading a block another
+        # row fills in this same step reads stale content here, as it would on the device
         def read(pos):
-            return self.kv[tables[rows, pos // bs] * bs + pos % bs]
+            own = pos >= start
+            return np.where(own, step.token_ids[np.where(own, qsl[:-1] + pos - start, 0)], cached(rows, pos))
 
-        prev = read(ctx - 1)
-        back = read((ctx - 1) // 2)
-        seed = step.seeds[:S, 0].astype(np.uint64) | (step.seeds[:S, 1].astype(np.uint64) << np.uint64(32))
-        sampled = next_token_rule(seed, ctx, prev, back, self.vocab)
+        prev, back = read(ctx - 1)[src], read((ctx - 1) // 2)[src]
         if self.check_kv:
             for s, req in enumerate(out.scheduled):
-                c = int(ctx[s])
-                pos = np.arange(c)
-                got = self.kv[tables[s, pos // bs] * bs + pos % bs]
-                want = np.asarray(req.all_token_ids[:c])
-                if not np.array_equal(got, want):
-                    bad = int(np.argmax(got != want))
-                    raise AssertionError(f"KV of {req.request_id} differs at position {bad}: "
-                                         f"{got[bad]} != {want[bad]}")
+                if src[s] == s:
+                    self._check(req, cached(s, np.arange(int(start[s]))), "reads")
+        n = int(step.num_tokens)
+        slots = step.slot_mapping[:n]
+        self.kv[slots[slots >= 0]] = step.token_ids[:n][slots >= 0]
+        self._copy_blocks(out.block_copies_after, self.kv, self.kv)
+        if self.check_kv:  # and what later steps will read
+            for s, req in enumerate(out.scheduled):
+                self._check(req, cached(s, np.arange(int(ctx[s]))), "holds")
+
+        seed = step.seeds[:S, 0].astype(np.uint64) | (step.seeds[:S, 1].astype(np.uint64) << np.uint64(32))
+        sampled = next_token_rule(seed, ctx, prev, back, self.vocab)
         errors = self.logits_hook(out) if self.logits_hook else None
         dt = self.cost.fixed + self.cost.per_token * n + self.cost.per_context_token * float(ctx.sum())
         return sampled, errors, dt

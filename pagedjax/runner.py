@@ -1,0 +1,216 @@
+"""The device side: the KV cache, one jitted step per shape bucket, and the block copies.
+
+    step(params, kv_cache, StepInput arrays) -> (sampled ids, logprobs, finite, kv_cache)
+
+compiled once per bucket (T tokens, S rows, P block-table columns) with the cache donated, so
+the new K/V are written in place. Which requests run only changes the values of the inputs:
+after `warmup()` has compiled every bucket, requests joining and leaving never compile again
+(`num_compilations` counts every trace).
+
+Attention backends:
+  "reference"  the pool is read inside the layer loop (only the pages each token needs) and the
+               step's K/V are written once after it (`forward_split`): the fast path on a CPU.
+  "pallas"     each layer writes its K/V into the pool, then decode rows go through the Pallas
+               paged-attention kernel and prefill chunks through the ragged reference
+               (the ragged Pallas kernel where available). In interpret mode on a CPU.
+  "auto"       "reference" on CPU, "pallas" on GPU/TPU.
+Copy-on-write copies, swap-out and swap-in move whole blocks with small jitted functions over
+padded index arrays (padding copies the null block onto itself).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pagedjax.config import EngineConfig
+from pagedjax.model.llama import (AttentionMetadata, ModelConfig, compute_logits, forward, forward_split,
+                                  init_kv_cache, token_layout)
+from pagedjax.pallas.reference import ragged_paged_attention_reference
+from pagedjax.sampling import sample
+from pagedjax.scheduler.batch import StepInput
+from pagedjax.scheduler.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+COPY_BUCKETS = (8, 64, 512)
+
+
+def resolve_backend(backend: str) -> str:
+    if backend == "auto":
+        return "reference" if jax.default_backend() == "cpu" else "pallas"
+    if backend not in ("reference", "pallas"):
+        raise ValueError(f"attention_backend must be 'auto', 'pallas' or 'reference', got {backend!r}")
+    return backend
+
+
+def _pallas_attention(q, k_cache, v_cache, attn: AttentionMetadata):
+    """Decode rows (one new token) through the Pallas decode kernel, everything else through the
+    ragged path; both read the pool, which already holds this step's K/V."""
+    from pagedjax.pallas import paged_attention
+
+    T = q.shape[0]
+    try:
+        from pagedjax.pallas import ragged_paged_attention
+        return ragged_paged_attention(q, k_cache, v_cache, attn.block_tables, attn.context_lens,
+                                      attn.query_start_loc, attn.num_seqs)
+    except ImportError:
+        pass
+    ragged = ragged_paged_attention_reference(q, k_cache, v_cache, attn.block_tables, attn.context_lens,
+                                              attn.query_start_loc, attn.num_seqs)
+    # rows with exactly one new token: its query is row qsl[s]; other rows' kernel output is unused
+    qsl = attn.query_start_loc
+    S = attn.block_tables.shape[0]
+    live = jnp.arange(S) < attn.num_seqs
+    is_decode = live & (qsl[1:] - qsl[:-1] == 1)
+    q_rows = q[jnp.clip(qsl[:-1], 0, T - 1)]
+    lengths = jnp.where(is_decode, attn.context_lens, 0)
+    dec = paged_attention(q_rows, k_cache, v_cache, attn.block_tables, lengths)
+    seq, _, _, valid = token_layout(attn, T)
+    use_dec = valid & is_decode[seq]
+    return jnp.where(use_dec[:, None, None], dec[seq].astype(ragged.dtype), ragged)
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, params: Any, config: EngineConfig, num_blocks: int,
+                 *, num_host_blocks: int = 0, kv_dtype: Any = None, num_logprobs: int = 0,
+                 logits_hook=None):
+        self.cfg = model_config
+        self.params = params
+        self.config = config
+        self.num_blocks = num_blocks
+        self.backend = resolve_backend(config.attention_backend)
+        self.num_logprobs = num_logprobs
+        self.kv_dtype = kv_dtype or jax.tree.leaves(params)[0].dtype
+        self.kv_cache = init_kv_cache(model_config, num_blocks, config.block_size, self.kv_dtype)
+        shape = (model_config.num_layers, model_config.num_kv_heads, num_host_blocks, config.block_size,
+                 model_config.head_dim)
+        self.host_cache = (np.zeros(shape, self.kv_dtype), np.zeros(shape, self.kv_dtype)) if num_host_blocks else None
+        # tests use it to make chosen rows' logits non-finite: (logits, StepInput arrays) -> logits
+        self.logits_hook = logits_hook
+        self.num_compilations = 0
+        self.compile_seconds = 0.0
+        self._step = jax.jit(self._step_impl, donate_argnums=(1,))
+        self._copy = jax.jit(self._copy_impl, donate_argnums=(0,))
+        self._gather = jax.jit(self._gather_impl)
+        self._scatter = jax.jit(self._scatter_impl, donate_argnums=(0,))
+
+    # -- the step --------------------------------------------------------------------------------
+    def _step_impl(self, params, kv_cache, a):
+        self.num_compilations += 1  # runs at trace time only: one per compilation
+        attn = AttentionMetadata(a["slot_mapping"], a["block_tables"], a["context_lens"],
+                                 a["query_start_loc"], a["num_seqs"])
+        if self.backend == "reference":
+            hidden, kv_cache = forward_split(params, self.cfg, a["token_ids"], a["positions"], kv_cache, attn)
+        else:
+            hidden, kv_cache = forward(params, self.cfg, a["token_ids"], a["positions"], kv_cache, attn,
+                                       attention_fn=_pallas_attention)
+        logits = compute_logits(params, self.cfg, hidden[a["logits_indices"]])
+        if self.logits_hook is not None:
+            logits = self.logits_hook(logits, a)
+        finite = jnp.all(jnp.isfinite(logits), axis=-1)
+        safe = jnp.where(finite[:, None], logits, 0.0)
+        tokens, logprob, top_ids, top_lps = sample(safe, a["temperature"], a["top_k"], a["top_p"], a["min_p"],
+                                                   a["seeds"], a["sample_positions"], self.num_logprobs)
+        return (tokens, logprob, top_ids, top_lps, finite), kv_cache
+
+    def execute(self, out: SchedulerOutput, step: StepInput):
+        """Apply the step's swaps and copies, run it, and return host arrays:
+        (sampled int32[R], logprob f32[R], top ids [R, K], top logprobs [R, K], errors bool[R])."""
+        if out.swap_out:
+            self.swap_out(out.swap_out)
+        if out.swap_in:
+            self.swap_in(out.swap_in)
+        if out.block_copies:
+            self.copy_blocks(out.block_copies)
+        arrays = {k: np.copy(v) for k, v in step.device_arrays().items()}  # buffers are reused next step
+        n_before = self.num_compilations
+        t0 = time.perf_counter()
+        results, self.kv_cache = self._step(self.params, self.kv_cache, arrays)
+        tokens, logprob, top_ids, top_lps, finite = jax.device_get(results)
+        if self.num_compilations != n_before:
+            self.compile_seconds += time.perf_counter() - t0
+            logger.info("compiled the step for bucket %s (%d compilations so far)", step.bucket, self.num_compilations)
+        R = out.num_rows
+        return tokens[:R], logprob[:R], top_ids[:R], top_lps[:R], ~finite[:R]
+
+    # -- block moves -----------------------------------------------------------------------------
+    @staticmethod
+    def _pad_pairs(pairs):
+        n = len(pairs)
+        C = next((b for b in COPY_BUCKETS if b >= n), n)
+        arr = np.zeros((C, 2), np.int32)
+        arr[:n] = pairs
+        return arr
+
+    def _copy_impl(self, kv_cache, pairs):
+        self.num_compilations += 1
+        src, dst = pairs[:, 0], pairs[:, 1]
+        return tuple(c.at[:, :, dst].set(c[:, :, src]) for c in kv_cache)
+
+    def _gather_impl(self, kv_cache, ids):
+        self.num_compilations += 1
+        return tuple(c[:, :, ids] for c in kv_cache)
+
+    def _scatter_impl(self, kv_cache, ids, blocks):
+        self.num_compilations += 1
+        return tuple(c.at[:, :, ids].set(b) for c, b in zip(kv_cache, blocks))
+
+    def copy_blocks(self, pairs):
+        self.kv_cache = self._copy(self.kv_cache, self._pad_pairs(pairs))
+
+    def swap_out(self, pairs):
+        """(device block, host block) pairs: device -> host."""
+        padded = self._pad_pairs(pairs)
+        blocks = jax.device_get(self._gather(self.kv_cache, padded[:, 0]))
+        host = np.asarray([h for _, h in pairs])
+        for hc, b in zip(self.host_cache, blocks):
+            hc[:, :, host] = b[:, :, :len(pairs)]
+
+    def swap_in(self, pairs):
+        """(host block, device block) pairs: host -> device. Padding rows write zeros into the
+        null block, which only padding ever reads."""
+        padded = self._pad_pairs(pairs)
+        host = np.asarray([h for h, _ in pairs])
+        blocks = []
+        for hc in self.host_cache:
+            b = np.zeros(hc.shape[:2] + (len(padded),) + hc.shape[3:], hc.dtype)
+            b[:, :, :len(pairs)] = hc[:, :, host]
+            blocks.append(b)
+        self.kv_cache = self._scatter(self.kv_cache, padded[:, 1], tuple(blocks))
+
+    # -- warm-up -----------------------------------------------------------------------------------
+    def dummy_step_arrays(self, T: int, S: int, P: int) -> dict[str, np.ndarray]:
+        """Padding-only inputs of one bucket: every token writes nowhere, every row is empty."""
+        i32 = np.int32
+        return dict(token_ids=np.zeros(T, i32), positions=np.zeros(T, i32), slot_mapping=np.full(T, -1, i32),
+                    query_start_loc=np.zeros(S + 1, i32), context_lens=np.zeros(S, i32),
+                    block_tables=np.zeros((S, P), i32), slot_mask=np.zeros(S, bool),
+                    logits_indices=np.zeros(S, i32), temperature=np.zeros(S, np.float32),
+                    top_k=np.zeros(S, i32), top_p=np.ones(S, np.float32), min_p=np.zeros(S, np.float32),
+                    seeds=np.zeros((S, 2), np.uint32), sample_positions=np.zeros(S, i32),
+                    num_seqs=np.zeros((), i32), num_tokens=np.zeros((), i32))
+
+    def warmup(self, buckets, *, with_copies: bool = True) -> float:
+        """Compile every (T, S, P) bucket and the block-move functions; returns seconds spent."""
+        t0 = time.perf_counter()
+        for T, S, P in buckets:
+            results, self.kv_cache = self._step(self.params, self.kv_cache, self.dummy_step_arrays(T, S, P))
+            jax.block_until_ready(results)
+        if with_copies:
+            for C in COPY_BUCKETS:
+                self.kv_cache = self._copy(self.kv_cache, np.zeros((C, 2), np.int32))
+                if self.host_cache is not None:
+                    jax.block_until_ready(self._gather(self.kv_cache, np.zeros(C, np.int32)))
+                    zeros = tuple(np.zeros(hc.shape[:2] + (C,) + hc.shape[3:], hc.dtype) for hc in self.host_cache)
+                    self.kv_cache = self._scatter(self.kv_cache, np.zeros(C, np.int32), zeros)
+        jax.block_until_ready(self.kv_cache)
+        dt = time.perf_counter() - t0
+        self.compile_seconds += dt
+        return dt

@@ -1,0 +1,71 @@
+"""On-device sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+
+Every row carries its own parameters and seed, and the random key of a row is
+fold_in(key(seed), position of the token being sampled): a request's samples depend only on
+its own seed and tokens, never on who shares its batch, and a request preempted and
+recomputed samples exactly what it would have.
+
+Log-probabilities are those of the model's distribution (log_softmax of the raw logits,
+before temperature and truncation), as vLLM returns them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pagedjax.sampling_params import SamplingParams
+
+__all__ = ["SamplingParams", "sample"]
+
+
+def _row_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:
+    def one(seed, pos):
+        key = jax.random.fold_in(jax.random.key(seed[0]), seed[1])
+        return jax.random.fold_in(key, pos)
+
+    return jax.vmap(one)(seeds, positions)
+
+
+def _sample_random(logits, temperature, top_k, top_p, min_p, seeds, positions):
+    V = logits.shape[-1]
+    t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    scaled = logits / t
+    # one descending sort serves top-k, top-p and min-p
+    order = jnp.argsort(-scaled, axis=-1)
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    rank = jnp.arange(V)[None, :]
+    keep = jnp.where(top_k[:, None] > 0, rank < top_k[:, None], True)
+    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    # top-p: keep the smallest prefix whose mass reaches top_p (the token crossing it included)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep &= mass_before < top_p[:, None]
+    keep &= probs >= min_p[:, None] * probs[:, :1]
+    keep = keep.at[:, 0].set(True)
+    masked = jnp.where(keep, sorted_logits, -jnp.inf)
+    u = jax.vmap(lambda k: jax.random.uniform(k, (V,), minval=1e-20, maxval=1.0))(_row_keys(seeds, positions))
+    gumbel = -jnp.log(-jnp.log(u))
+    choice = jnp.argmax(masked + gumbel, axis=-1)
+    return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+
+
+def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,
+           seeds: jax.Array, positions: jax.Array, num_logprobs: int = 0):
+    """logits f32[S, V]; per-row temperature (0 = greedy), top_k (0 = off), top_p, min_p,
+    seeds uint32[S, 2], positions int32[S]. Returns (token int32[S], logprob f32[S],
+    top ids int32[S, num_logprobs], top logprobs f32[S, num_logprobs])."""
+    greedy = jnp.argmax(logits, axis=-1)
+    tokens = jax.lax.cond(
+        jnp.all(temperature == 0),
+        lambda: greedy,  # the common benchmark case skips the sort entirely
+        lambda: jnp.where(temperature == 0, greedy,
+                          _sample_random(logits, temperature, top_k, top_p, min_p, seeds, positions)),
+    ).astype(jnp.int32)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    token_logprob = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    if num_logprobs:
+        top_lp, top_ids = jax.lax.top_k(logp, num_logprobs)
+    else:
+        top_lp = jnp.zeros((logits.shape[0], 0), jnp.float32)
+        top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
+    return tokens, token_logprob, top_ids.astype(jnp.int32), top_lp
