@@ -63,7 +63,7 @@ class EngineConfig:
         need(self.attention_backend in ("auto", "pallas", "reference"), "attention_backend",
              "'auto', 'pallas' or 'reference'")
         if self.token_buckets is None:
-            self.token_buckets = pow2_buckets(min(16, self.max_num_batched_tokens), self.max_num_batched_tokens)
+            self.token_buckets = pow2_buckets(min(8, self.max_num_batched_tokens), self.max_num_batched_tokens)
         if self.seq_buckets is None:
             self.seq_buckets = pow2_buckets(1, self.max_num_seqs)
         if self.page_buckets is None:

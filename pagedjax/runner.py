@@ -5,7 +5,7 @@
 compiled once per bucket (T tokens, S rows, P block-table columns) with the cache donated, so
 the new K/V are written in place. Which requests run only changes the values of the inputs:
 after `warmup()` has compiled every bucket, requests joining and leaving never compile again
-(`num_compilations` counts every trace).
+(`num_compilations` counts every trace in the process).
 
 Attention backends:
   "reference"  the pool is read inside the layer loop (only the pages each token needs) and the
@@ -77,6 +77,57 @@ def _pallas_attention(q, k_cache, v_cache, attn: AttentionMetadata):
     return jnp.where(use_dec[:, None, None], dec[seq].astype(ragged.dtype), ragged)
 
 
+class _Counter:
+    """Compilations in this process: every trace of a jitted function below adds one. Engines with
+    the same model and shapes share compilations (the jitted functions are module-level), so
+    count differences, not totals."""
+
+    value = 0
+
+
+def _trace():
+    _Counter.value += 1
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "backend", "num_logprobs", "logits_hook"), donate_argnums=(1,))
+def _step_fn(params, kv_cache, a, *, cfg, backend, num_logprobs, logits_hook):
+    _trace()
+    attn = AttentionMetadata(a["slot_mapping"], a["block_tables"], a["context_lens"],
+                             a["query_start_loc"], a["num_seqs"])
+    if backend == "reference":
+        hidden, kv_cache = forward_split(params, cfg, a["token_ids"], a["positions"], kv_cache, attn)
+    else:
+        hidden, kv_cache = forward(params, cfg, a["token_ids"], a["positions"], kv_cache, attn,
+                                   attention_fn=_pallas_attention)
+    logits = compute_logits(params, cfg, hidden[a["logits_indices"]])
+    if logits_hook is not None:
+        logits = logits_hook(logits, a)
+    finite = jnp.all(jnp.isfinite(logits), axis=-1)
+    safe = jnp.where(finite[:, None], logits, 0.0)
+    tokens, logprob, top_ids, top_lps = sample(safe, a["temperature"], a["top_k"], a["top_p"], a["min_p"],
+                                               a["seeds"], a["sample_positions"], num_logprobs)
+    return (tokens, logprob, top_ids, top_lps, finite), kv_cache
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _copy_fn(kv_cache, pairs):
+    _trace()
+    src, dst = pairs[:, 0], pairs[:, 1]
+    return tuple(c.at[:, :, dst].set(c[:, :, src]) for c in kv_cache)
+
+
+@jax.jit
+def _gather_fn(kv_cache, ids):
+    _trace()
+    return tuple(c[:, :, ids] for c in kv_cache)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _scatter_fn(kv_cache, ids, blocks):
+    _trace()
+    return tuple(c.at[:, :, ids].set(b) for c, b in zip(kv_cache, blocks))
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, params: Any, config: EngineConfig, num_blocks: int,
                  *, num_host_blocks: int = 0, kv_dtype: Any = None, num_logprobs: int = 0,
@@ -94,31 +145,15 @@ class ModelRunner:
         self.host_cache = (np.zeros(shape, self.kv_dtype), np.zeros(shape, self.kv_dtype)) if num_host_blocks else None
         # tests use it to make chosen rows' logits non-finite: (logits, StepInput arrays) -> logits
         self.logits_hook = logits_hook
-        self.num_compilations = 0
         self.compile_seconds = 0.0
-        self._step = jax.jit(self._step_impl, donate_argnums=(1,))
-        self._copy = jax.jit(self._copy_impl, donate_argnums=(0,))
-        self._gather = jax.jit(self._gather_impl)
-        self._scatter = jax.jit(self._scatter_impl, donate_argnums=(0,))
+        self._step = functools.partial(_step_fn, cfg=model_config, backend=self.backend,
+                                       num_logprobs=num_logprobs, logits_hook=logits_hook)
+        self._copy, self._gather, self._scatter = _copy_fn, _gather_fn, _scatter_fn
 
-    # -- the step --------------------------------------------------------------------------------
-    def _step_impl(self, params, kv_cache, a):
-        self.num_compilations += 1  # runs at trace time only: one per compilation
-        attn = AttentionMetadata(a["slot_mapping"], a["block_tables"], a["context_lens"],
-                                 a["query_start_loc"], a["num_seqs"])
-        if self.backend == "reference":
-            hidden, kv_cache = forward_split(params, self.cfg, a["token_ids"], a["positions"], kv_cache, attn)
-        else:
-            hidden, kv_cache = forward(params, self.cfg, a["token_ids"], a["positions"], kv_cache, attn,
-                                       attention_fn=_pallas_attention)
-        logits = compute_logits(params, self.cfg, hidden[a["logits_indices"]])
-        if self.logits_hook is not None:
-            logits = self.logits_hook(logits, a)
-        finite = jnp.all(jnp.isfinite(logits), axis=-1)
-        safe = jnp.where(finite[:, None], logits, 0.0)
-        tokens, logprob, top_ids, top_lps = sample(safe, a["temperature"], a["top_k"], a["top_p"], a["min_p"],
-                                                   a["seeds"], a["sample_positions"], self.num_logprobs)
-        return (tokens, logprob, top_ids, top_lps, finite), kv_cache
+    @property
+    def num_compilations(self) -> int:
+        """Compilations in this process so far (shared by engines of the same model and shapes)."""
+        return _Counter.value
 
     def execute(self, out: SchedulerOutput, step: StepInput):
         """Apply the step's swaps and copies, run it, and return host arrays:
@@ -148,19 +183,6 @@ class ModelRunner:
         arr = np.zeros((C, 2), np.int32)
         arr[:n] = pairs
         return arr
-
-    def _copy_impl(self, kv_cache, pairs):
-        self.num_compilations += 1
-        src, dst = pairs[:, 0], pairs[:, 1]
-        return tuple(c.at[:, :, dst].set(c[:, :, src]) for c in kv_cache)
-
-    def _gather_impl(self, kv_cache, ids):
-        self.num_compilations += 1
-        return tuple(c[:, :, ids] for c in kv_cache)
-
-    def _scatter_impl(self, kv_cache, ids, blocks):
-        self.num_compilations += 1
-        return tuple(c.at[:, :, ids].set(b) for c, b in zip(kv_cache, blocks))
 
     def copy_blocks(self, pairs):
         self.kv_cache = self._copy(self.kv_cache, self._pad_pairs(pairs))
