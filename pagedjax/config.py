@@ -35,6 +35,7 @@ class EngineConfig:
     token_buckets: tuple[int, ...] | None = None   # padded sizes of a step's token count T
     seq_buckets: tuple[int, ...] | None = None     # padded sizes of a step's sequence count S
     page_buckets: tuple[int, ...] | None = None    # padded widths of the block tables handed to attention
+    tensor_parallel_size: int = 1          # devices the heads and the KV pool are split over (pagedjax.parallel)
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -62,6 +63,8 @@ class EngineConfig:
              "'max_model_len' or 'request'")
         need(self.attention_backend in ("auto", "pallas", "reference"), "attention_backend",
              "'auto', 'pallas' or 'reference'")
+        need(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1, "tensor_parallel_size",
+             "an int >= 1")
         if self.token_buckets is None:
             self.token_buckets = pow2_buckets(min(8, self.max_num_batched_tokens), self.max_num_batched_tokens)
         if self.seq_buckets is None:

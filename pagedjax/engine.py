@@ -28,6 +28,7 @@ import numpy as np
 from pagedjax.config import EngineConfig
 from pagedjax.metrics import RequestRecord
 from pagedjax.model.llama import ModelConfig, init_random_params
+from pagedjax.parallel import check_tensor_parallel, param_bytes_per_device
 from pagedjax.runner import ModelRunner, resolve_backend
 from pagedjax.sampling_params import SamplingParams
 from pagedjax.scheduler.batch import BatchPacker
@@ -126,6 +127,7 @@ class LLMEngine:
         if mc.sliding_window is not None and config.max_model_len > mc.sliding_window:
             raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's sliding_window "
                              f"({mc.sliding_window}); attention here is full, so keep sequences inside the window")
+        check_tensor_parallel(config.tensor_parallel_size, mc)  # before sizing the pool per device
         self.backend = resolve_backend(config.attention_backend)
         if self.backend == "pallas" and config.block_size not in KERNEL_BLOCK_SIZES:
             raise ValueError(f"block_size ({config.block_size}) must be one of {KERNEL_BLOCK_SIZES} for the "
@@ -158,12 +160,14 @@ class LLMEngine:
         """CPU: room for every seat at max_model_len. GPU/TPU: gpu_memory_utilization of the
         device memory, less the weights, as vLLM sizes it."""
         cfg, mc = self.config, self.model_config
-        per_block = 2 * mc.num_layers * mc.num_kv_heads * cfg.block_size * mc.head_dim * self.dtype.itemsize
+        # per device: with tensor_parallel_size N each device holds num_kv_heads / N of every block
+        tp = cfg.tensor_parallel_size
+        per_block = 2 * mc.num_layers * (mc.num_kv_heads // tp) * cfg.block_size * mc.head_dim * self.dtype.itemsize
         dev = jax.devices()[0]
         stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
         if dev.platform == "cpu" or not stats or "bytes_limit" not in stats:
             return cfg.max_num_seqs * cfg.max_blocks_per_seq + 1
-        weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+        weights = param_bytes_per_device(params, tp)
         budget = stats["bytes_limit"] * cfg.gpu_memory_utilization - weights - stats.get("bytes_in_use", 0)
         # leave room for activations of the largest step
         budget -= 4 * max(cfg.token_buckets) * mc.hidden_size * 64 + 2 * max(cfg.seq_buckets) * mc.vocab_size * 4
@@ -185,6 +189,8 @@ class LLMEngine:
         bad = [t for t in ids if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt_token_ids must be ints in [0, vocab_size={vocab}); got {bad[:5]}")
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer and the model has none: use stop_token_ids")
         if params.logprobs is not None and params.logprobs > self.max_logprobs:
             raise ValueError(f"logprobs ({params.logprobs}) exceeds max_logprobs ({self.max_logprobs})")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
@@ -203,6 +209,9 @@ class LLMEngine:
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt is a string but the model has no tokenizer: pass "
+                                 "{'prompt_token_ids': [...]} instead")
             ids = self.tokenizer.encode(prompt)
             if not ids:
                 raise ValueError("prompt is empty: it must contain at least 1 token")
@@ -318,7 +327,7 @@ class LLMEngine:
             if m is None:
                 continue
             text = group.texts.get(i)
-            if text is None and (m.is_finished or group.params.stop_strings):
+            if text is None and self.tokenizer is not None and (m.is_finished or group.params.stop_strings):
                 text = self.tokenizer.decode(m.output_token_ids, skip_special_tokens=True)
             lp = m.output_logprobs if group.params.logprobs is not None else None
             cum = float(sum(x[0] for x in lp)) if lp else None
@@ -578,7 +587,8 @@ class LLM:
             eng._groups.pop(root, None)
         finished.sort(key=lambda b: -_beam_score(b, prompt_len, params.length_penalty))
         for b in finished:
-            b.text = eng.tokenizer.decode(b.tokens[prompt_len:], skip_special_tokens=True)
+            if eng.tokenizer is not None:  # a HF directory without tokenizer files: token ids only
+                b.text = eng.tokenizer.decode(b.tokens[prompt_len:], skip_special_tokens=True)
         return BeamSearchOutput(finished[:k], peak_phys, peak_clone)
 
 

@@ -16,6 +16,11 @@ Attention backends:
   "auto"       "reference" on CPU, "pallas" on GPU/TPU.
 Copy-on-write copies, swap-out and swap-in move whole blocks with small jitted functions over
 padded index arrays (padding copies the null block onto itself).
+
+Tensor parallelism (`config.tensor_parallel_size` N > 1, see pagedjax/parallel.py): params and the
+pool are placed with their NamedShardings on a ("dp", "tp") mesh, the step inputs replicated; the
+same jitted functions run, with `mesh` as a static argument that puts the Pallas kernel under
+shard_map and pins the pool's and the logits' shardings. N = 1 takes exactly the unsharded path.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pagedjax import parallel
 from pagedjax.config import EngineConfig
 from pagedjax.model.llama import (AttentionMetadata, ModelConfig, compute_logits, forward, forward_split,
                                   init_kv_cache, token_layout)
@@ -89,17 +95,31 @@ def _trace():
     _Counter.value += 1
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "backend", "num_logprobs", "logits_hook"), donate_argnums=(1,))
-def _step_fn(params, kv_cache, a, *, cfg, backend, num_logprobs, logits_hook):
+def _keep_pool_sharding(kv_cache, mesh):
+    # The donated pool must come out with the sharding it went in with: otherwise its buffers
+    # cannot be reused in place and the next step sees a new input sharding (a recompilation).
+    if mesh is None:
+        return kv_cache
+    return jax.lax.with_sharding_constraint(kv_cache, (parallel.kv_sharding(mesh),) * len(kv_cache))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "backend", "num_logprobs", "logits_hook", "mesh"),
+                   donate_argnums=(1,))
+def _step_fn(params, kv_cache, a, *, cfg, backend, num_logprobs, logits_hook, mesh=None):
     _trace()
     attn = AttentionMetadata(a["slot_mapping"], a["block_tables"], a["context_lens"],
                              a["query_start_loc"], a["num_seqs"])
     if backend == "reference":
+        # sharded by GSPMD alone: the pages are gathered along the (split) kv-head axis in place
         hidden, kv_cache = forward_split(params, cfg, a["token_ids"], a["positions"], kv_cache, attn)
     else:
+        attention_fn = _pallas_attention if mesh is None else parallel.shard_attention(_pallas_attention, mesh)
         hidden, kv_cache = forward(params, cfg, a["token_ids"], a["positions"], kv_cache, attn,
-                                   attention_fn=_pallas_attention)
+                                   attention_fn=attention_fn)
+    kv_cache = _keep_pool_sharding(kv_cache, mesh)
     logits = compute_logits(params, cfg, hidden[a["logits_indices"]])
+    if mesh is not None:  # gathered: every device samples the same whole rows
+        logits = jax.lax.with_sharding_constraint(logits, parallel.replicated(mesh))
     if logits_hook is not None:
         logits = logits_hook(logits, a)
     finite = jnp.all(jnp.isfinite(logits), axis=-1)
@@ -109,11 +129,11 @@ def _step_fn(params, kv_cache, a, *, cfg, backend, num_logprobs, logits_hook):
     return (tokens, logprob, top_ids, top_lps, finite), kv_cache
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _copy_fn(kv_cache, pairs):
+@functools.partial(jax.jit, static_argnames=("mesh",), donate_argnums=(0,))
+def _copy_fn(kv_cache, pairs, *, mesh=None):
     _trace()
     src, dst = pairs[:, 0], pairs[:, 1]
-    return tuple(c.at[:, :, dst].set(c[:, :, src]) for c in kv_cache)
+    return _keep_pool_sharding(tuple(c.at[:, :, dst].set(c[:, :, src]) for c in kv_cache), mesh)
 
 
 @jax.jit
@@ -122,10 +142,10 @@ def _gather_fn(kv_cache, ids):
     return tuple(c[:, :, ids] for c in kv_cache)
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _scatter_fn(kv_cache, ids, blocks):
+@functools.partial(jax.jit, static_argnames=("mesh",), donate_argnums=(0,))
+def _scatter_fn(kv_cache, ids, blocks, *, mesh=None):
     _trace()
-    return tuple(c.at[:, :, ids].set(b) for c, b in zip(kv_cache, blocks))
+    return _keep_pool_sharding(tuple(c.at[:, :, ids].set(b) for c, b in zip(kv_cache, blocks)), mesh)
 
 
 class ModelRunner:
@@ -139,7 +159,21 @@ class ModelRunner:
         self.backend = resolve_backend(config.attention_backend)
         self.num_logprobs = num_logprobs
         self.kv_dtype = kv_dtype or jax.tree.leaves(params)[0].dtype
-        self.kv_cache = init_kv_cache(model_config, num_blocks, config.block_size, self.kv_dtype)
+        self.tensor_parallel_size = tp = config.tensor_parallel_size
+        parallel.check_tensor_parallel(tp, model_config)
+        self.mesh = None
+        if tp == 1:
+            self.kv_cache = init_kv_cache(model_config, num_blocks, config.block_size, self.kv_dtype)
+        else:
+            self.mesh = parallel.make_mesh(tp)
+            self.params = params = parallel.shard_params(params, self.mesh)
+            self.kv_cache = parallel.init_sharded_kv_cache(model_config, self.mesh, num_blocks, config.block_size,
+                                                           self.kv_dtype)
+        # each device holds 1/N of the pool: the same per-device budget holds N times the tokens
+        self.kv_bytes_per_device = parallel.kv_bytes_per_device(model_config, num_blocks, config.block_size,
+                                                                self.kv_dtype, tp)
+        logger.info("KV pool: %d blocks of %d tokens, %.1f MiB per device on %d device(s)", num_blocks,
+                    config.block_size, self.kv_bytes_per_device / 2**20, tp)
         shape = (model_config.num_layers, model_config.num_kv_heads, num_host_blocks, config.block_size,
                  model_config.head_dim)
         self.host_cache = (np.zeros(shape, self.kv_dtype), np.zeros(shape, self.kv_dtype)) if num_host_blocks else None
@@ -147,8 +181,17 @@ class ModelRunner:
         self.logits_hook = logits_hook
         self.compile_seconds = 0.0
         self._step = functools.partial(_step_fn, cfg=model_config, backend=self.backend,
-                                       num_logprobs=num_logprobs, logits_hook=logits_hook)
+                                       num_logprobs=num_logprobs, logits_hook=logits_hook, mesh=self.mesh)
         self._copy, self._gather, self._scatter = _copy_fn, _gather_fn, _scatter_fn
+        if self.mesh is not None:
+            self._copy = functools.partial(_copy_fn, mesh=self.mesh)
+            self._scatter = functools.partial(_scatter_fn, mesh=self.mesh)
+
+    def _inputs(self, arrays: dict[str, np.ndarray]):
+        """Step inputs, replicated on the mesh (one block table serves every shard)."""
+        if self.mesh is None:
+            return arrays
+        return jax.device_put(arrays, parallel.replicated(self.mesh))
 
     @property
     def num_compilations(self) -> int:
@@ -167,7 +210,7 @@ class ModelRunner:
         arrays = {k: np.copy(v) for k, v in step.device_arrays().items()}  # buffers are reused next step
         n_before = self.num_compilations
         t0 = time.perf_counter()
-        results, self.kv_cache = self._step(self.params, self.kv_cache, arrays)
+        results, self.kv_cache = self._step(self.params, self.kv_cache, self._inputs(arrays))
         tokens, logprob, top_ids, top_lps, finite = jax.device_get(results)
         if self.num_compilations != n_before:
             self.compile_seconds += time.perf_counter() - t0
@@ -223,7 +266,8 @@ class ModelRunner:
         """Compile every (T, S, P) bucket and the block-move functions; returns seconds spent."""
         t0 = time.perf_counter()
         for T, S, P in buckets:
-            results, self.kv_cache = self._step(self.params, self.kv_cache, self.dummy_step_arrays(T, S, P))
+            arrays = self._inputs(self.dummy_step_arrays(T, S, P))
+            results, self.kv_cache = self._step(self.params, self.kv_cache, arrays)
             jax.block_until_ready(results)
         if with_copies:
             for C in COPY_BUCKETS:
