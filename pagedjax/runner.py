@@ -199,7 +199,7 @@ class ModelRunner:
         return _Counter.value
 
     def execute(self, out: SchedulerOutput, step: StepInput):
-        """Apply the step's swaps and copies, run it, and return host arrays:
+        """Apply the step's swaps and copies, run it, apply the copies owed after it, and return host arrays:
         (sampled int32[R], logprob f32[R], top ids [R, K], top logprobs [R, K], errors bool[R])."""
         if out.swap_out:
             self.swap_out(out.swap_out)
@@ -211,6 +211,9 @@ class ModelRunner:
         n_before = self.num_compilations
         t0 = time.perf_counter()
         results, self.kv_cache = self._step(self.params, self.kv_cache, self._inputs(arrays))
+        if out.block_copies_after:
+            # contiguous forks copy blocks the step itself has just filled
+            self.copy_blocks(out.block_copies_after)
         tokens, logprob, top_ids, top_lps, finite = jax.device_get(results)
         if self.num_compilations != n_before:
             self.compile_seconds += time.perf_counter() - t0
