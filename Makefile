@@ -5,8 +5,6 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
 
-export JAX_PLATFORMS ?= cpu
-
 .PHONY: run test venv clean
 
 $(STAMP): pyproject.toml
@@ -17,11 +15,16 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# The main job: SmolLM2-135M on a mixed workload, continuous vs static vs contiguous vs HF
+# (about 10 minutes on 2 CPU cores), then the fragmentation study and the timeline sandbox.
 run: $(STAMP)
+	$(PY) scripts/bench_serving.py
 	$(PY) scripts/fragmentation.py
+	$(PY) scripts/timeline.py
 
+# Tests run on the CPU, every Pallas kernel in interpret mode.
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q tests
 
 clean:
 	rm -rf $(VENV) results .pytest_cache .hypothesis

@@ -118,7 +118,7 @@ class LLMEngine:
     def __init__(self, model: str = "smollm2-135m", *, dtype: str | Any = "float32", max_logprobs: int = 20,
                  logits_hook=None, **config_kwargs):
         self.config = config = EngineConfig(**config_kwargs)
-        self.dtype = jnp.dtype(dtype)
+        self.dtype = _float_dtype(dtype)
         self.model_config, params, self.tokenizer = load_any_model(model, self.dtype, config.seed)
         mc = self.model_config
         if config.max_model_len > mc.max_position_embeddings:
@@ -359,6 +359,18 @@ class LLMEngine:
         return self.runner.num_compilations
 
 
+def _float_dtype(dtype) -> jnp.dtype:
+    """The params' and KV cache's dtype: one the model and the attention kernels compute in."""
+    allowed = ("float32", "bfloat16", "float16")
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is None or dt.name not in allowed:
+        raise ValueError(f"dtype must be one of {', '.join(allowed)}, got {dtype!r}")
+    return dt
+
+
 def _with(params: SamplingParams, **changes) -> SamplingParams:
     kw = {f: getattr(params, f) for f in ("n", "temperature", "top_k", "top_p", "min_p", "seed", "stop",
                                           "stop_token_ids", "max_tokens", "ignore_eos", "logprobs")}
@@ -429,7 +441,8 @@ class LLM:
             sampling_params = SamplingParams()
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
-            raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
+            raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts: pass one "
+                             f"SamplingParams, or a list of exactly {len(prompts)}")
         eng = self.llm_engine
         ids = []
         try:

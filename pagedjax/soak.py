@@ -1,5 +1,7 @@
 """The soak: thousands of requests through the scheduler and the sim executor, under a pool small
-enough to force preemption, with a share of them aborted at random moments. No JAX.
+enough to force preemption, with a share of them aborted at random moments (no JAX); then
+hundreds through the real engine with the tiny random model (`soak_engine`, which imports JAX
+when called).
 
 It checks the promises that matter under pressure:
 - nothing is lost: every sequence (each of a request's n samples) ends finished, aborted or errored;
@@ -249,3 +251,202 @@ def run_soak(num_requests: int = 10_000, preemption_mode: str = "recompute", *, 
 def quiet_preemption_warnings() -> None:
     """The soak forces preemption on purpose: the scheduler's 'pool too small' warning is expected."""
     logging.getLogger("pagedjax.scheduler.scheduler").setLevel(logging.ERROR)
+
+
+# -- the real engine ------------------------------------------------------------------------------------
+@dataclass
+class EngineSoakSetup:
+    """The tiny random model under a pool that forces preemption: 23 usable blocks of 8 tokens
+    for 8 seats of up to 128 tokens (one max_model_len request needs 16). Small buckets keep the
+    warm-up short (9 step shapes per pool size); engines of the same shapes share their compiled
+    steps, so the second preemption mode compiles only its swap functions."""
+
+    num_blocks: int = 24
+    block_size: int = 8
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 32
+    max_model_len: int = 128
+    token_buckets: tuple[int, ...] = (8, 16, 32)
+    page_buckets: tuple[int, ...] = (4, 8, 16)
+    weight_scale: float = 7.5     # N(0, 0.02) -> N(0, 0.15): see `engine_for_soak`
+
+    def kwargs(self, preemption_mode: str = "recompute", num_blocks: int | None = None) -> dict:
+        return dict(num_blocks=num_blocks or self.num_blocks, block_size=self.block_size,
+                    max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                    max_model_len=self.max_model_len, token_buckets=self.token_buckets,
+                    page_buckets=self.page_buckets, preemption_mode=preemption_mode)
+
+    @property
+    def ample_num_blocks(self) -> int:
+        return self.max_num_seqs * cdiv(self.max_model_len, self.block_size) + 1
+
+
+def engine_for_soak(setup: EngineSoakSetup, preemption_mode: str = "recompute", num_blocks: int | None = None,
+                    warmup: bool = True):
+    """LLMEngine("tiny-random") with its matrices scaled by `setup.weight_scale`. At HF's init
+    (std 0.02) the tiny model's greedy continuation repeats one token whatever the context, so
+    a cache that preemption had corrupted would still give the same tokens (swap-ins that do
+    nothing pass unnoticed there); at std 0.15 (as tests/engine_helpers.make_tiny_hf) greedy
+    tokens depend on the whole context and the same fault changes most swapped requests' tokens."""
+    import jax
+
+    from pagedjax.engine import LLMEngine
+
+    eng = LLMEngine("tiny-random", **setup.kwargs(preemption_mode, num_blocks))
+    if setup.weight_scale != 1:
+        scale = setup.weight_scale
+        eng.runner.params = jax.tree_util.tree_map_with_path(
+            lambda path, p: p if "norm" in jax.tree_util.keystr(path) else p * scale, eng.runner.params)
+    if warmup:
+        eng.warmup()
+    return eng
+
+
+def engine_soak_requests(num_requests: int, seed: int = 0, *, max_model_len: int = 128,
+                         vocab_size: int = 384) -> list[tuple[str, list[int], object]]:
+    """(request id, prompt token ids, greedy SamplingParams) in random arrival order: prompts of
+    1 to ~110 tokens, about a third of them after one of a few shared system prompts (prefix hits meet
+    preemption), max_tokens 1 to 64, a fifth with ignore_eos."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(3, vocab_size) for _ in range(n)] for n in (16, 24, 40)]
+    out = []
+    for i in range(num_requests):
+        prefix = rng.choice(systems) if rng.random() < 0.35 else []
+        tail = [rng.randrange(3, vocab_size) for _ in range(1 + min(70, int(rng.expovariate(1 / 25))))]
+        prompt = (prefix + tail)[:max_model_len - 8]
+        max_tokens = min(rng.randint(1, 64), max_model_len - len(prompt))
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=rng.random() < 0.2)
+        out.append((f"e{i}", prompt, params))
+    rng.shuffle(out)
+    return out
+
+
+def _drain(eng, outputs: dict, max_steps: int) -> int:
+    steps = 0
+    while eng.has_unfinished_requests() and steps < max_steps:
+        for o in eng.step():
+            if o.finished:
+                outputs[o.request_id] = (tuple(o.outputs[0].token_ids), o.outputs[0].finish_reason)
+        steps += 1
+    return steps
+
+
+def engine_ample_run(num_requests: int, seed: int = 0, setup: EngineSoakSetup | None = None) -> dict:
+    """The reference: the same requests on an engine whose pool holds every seat at
+    max_model_len (no preemption), all added at once, no aborts."""
+    setup = setup or EngineSoakSetup()
+    t0 = time.perf_counter()
+    eng = engine_for_soak(setup, num_blocks=setup.ample_num_blocks)
+    warm = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for rid, prompt, params in engine_soak_requests(num_requests, seed, max_model_len=setup.max_model_len):
+        eng.add_request(rid, {"prompt_token_ids": prompt}, params)
+    outputs: dict = {}
+    steps = _drain(eng, outputs, max_steps=200 * num_requests)
+    return {"outputs": outputs, "preemptions": eng.scheduler.num_preemptions, "steps": steps,
+            "wall_s": time.perf_counter() - t0, "warmup_s": warm,
+            "unfinished": eng.get_num_unfinished_requests()}
+
+
+def soak_engine(num_requests: int = 500, preemption_mode: str = "recompute", *, seed: int = 0,
+                abort_rate: float = 0.05, max_abort_delay: int = 40, mean_arrivals_per_step: float = 0.3,
+                setup: EngineSoakSetup | None = None, reference: dict | None = None) -> dict:
+    """The soak on the real engine (LLMEngine.add_request / step / abort_request, the jitted step
+    of the tiny random model), greedy: requests arrive a few at a time in random order into a
+    pool that forces preemption; `abort_rate` of them are aborted 0..max_abort_delay steps after
+    they arrive or after they are first scheduled, in whatever state they are in then. Returns
+    the keys of `run_soak` (with `ok`); every request that finished on its own must have the
+    tokens and finish reason it has in `reference` (`engine_ample_run`)."""
+    setup = setup or EngineSoakSetup()
+    if reference is None:
+        reference = engine_ample_run(num_requests, seed, setup)
+    t0 = time.perf_counter()
+    eng = engine_for_soak(setup, preemption_mode)
+    warm = time.perf_counter() - t0
+    sched = eng.scheduler
+    pending = engine_soak_requests(num_requests, seed, max_model_len=setup.max_model_len)
+    pending.reverse()  # pop() from the end: the first in arrival order comes first
+    rng = random.Random(seed + 1)
+    targets = sorted(rng.sample([rid for rid, _, _ in pending], round(abort_rate * num_requests)))
+    # half the targets are aborted 0..max_abort_delay steps after they arrive (mostly while
+    # waiting), half that long after they are first scheduled (running, preempted, swapped)
+    from_start = {rid for rid in targets if rng.random() < 0.5}
+    from_arrival = set(targets) - from_start
+    started: list[str] = []  # accepted from_start targets not yet scheduled
+    due: list[tuple[int, str]] = []
+    accepted: set[str] = set()
+    refused: dict[str, str] = {}
+    outputs: dict[str, tuple] = {}
+    aborted: set[str] = set()
+    abort_states: Counter = Counter()
+    steps = 0
+    max_steps = 200 * num_requests
+    exception = None
+    t0 = time.perf_counter()
+    try:
+        while (pending or eng.has_unfinished_requests()) and steps < max_steps:
+            # a few arrivals at a time (at least one when the engine would idle)
+            k = min(len(pending), int(rng.random() < mean_arrivals_per_step / 2) * rng.randint(1, 3))
+            if not k and pending and not eng.has_unfinished_requests():
+                k = 1
+            for _ in range(k):
+                rid, prompt, params = pending.pop()
+                try:
+                    eng.add_request(rid, {"prompt_token_ids": prompt}, params)
+                except ValueError as e:
+                    refused[rid] = str(e)
+                    continue
+                accepted.add(rid)
+                if rid in from_start:
+                    started.append(rid)
+                elif rid in from_arrival:
+                    heapq.heappush(due, (steps + rng.randint(0, max_abort_delay), rid))
+            for rid in [r for r in started if r in outputs or sched.requests[r].times.first_scheduled is not None]:
+                started.remove(rid)
+                heapq.heappush(due, (steps + rng.randint(0, max_abort_delay), rid))
+            while due and due[0][0] <= steps:
+                _, rid = heapq.heappop(due)
+                if rid in outputs:
+                    continue  # finished before its abort came
+                abort_states[_state(sched.requests[rid])] += 1
+                eng.abort_request(rid)
+                aborted.add(rid)
+            for o in eng.step():
+                if o.finished:
+                    outputs[o.request_id] = (tuple(o.outputs[0].token_ids), o.outputs[0].finish_reason)
+            steps += 1
+    except Exception as e:  # report it: the checks below fail
+        exception = f"{type(e).__name__}: {e}"
+    wall = time.perf_counter() - t0
+
+    reasons = Counter(reason for _, reason in outputs.values())
+    ended = set(outputs) | aborted
+    lost = len(accepted - ended) + len(pending) + len(refused)
+    want = reference["outputs"]
+    compared = mismatches = 0
+    for rid, got in outputs.items():
+        if got[1] in ("stop", "length"):
+            compared += 1
+            mismatches += want.get(rid) != got
+    kv = sched.kv
+    problems = block_problems(kv)
+    leaked = kv.usage().used_blocks + kv.host.num_blocks - kv.host.num_free_blocks
+    result = {
+        "mode": preemption_mode, "requests": num_requests, "sequences": num_requests,
+        "finished": reasons["stop"] + reasons["length"], "abort_requested": len(targets), "aborted": len(aborted),
+        "errored": reasons["error"], "lost": lost, "refused": refused, "blocks_leaked": leaked,
+        "preemptions": sched.num_preemptions, "steps": steps, "wall_s": round(wall, 3),
+        "warmup_s": round(warm, 3), "virtual_s": None, "abort_states": dict(abort_states),
+        "tokens_compared": compared, "token_mismatches": mismatches,
+        "tokens_match_ample": mismatches == 0 and compared > 0,
+        "tokens_generated": sum(len(t) for t, _ in outputs.values()),
+        "ample_preemptions": reference["preemptions"], "ample_wall_s": round(reference["wall_s"], 3),
+        "block_problems": problems[:10], "exception": exception,
+        "unfinished": eng.get_num_unfinished_requests() + len(sched.requests),
+        "pool": {"num_blocks": setup.num_blocks, "block_size": setup.block_size,
+                 "max_num_seqs": setup.max_num_seqs},
+    }
+    result["ok"] = (exception is None and lost == 0 and leaked == 0 and not problems and result["unfinished"] == 0
+                    and result["tokens_match_ample"] and sched.num_preemptions > 0
+                    and reference["preemptions"] == 0 and reference["unfinished"] == 0)
+    return result

@@ -1,10 +1,13 @@
 """Soak: 10,000 requests through the scheduler under a pool that forces preemption, in both
-preemption modes, with 5 % of them aborted at random moments (issue 7). For each mode it prints
-requests finished / aborted / errored / lost (lost must be 0), blocks leaked at the end (0),
-preemptions, wall time, and whether every request that finished on its own has the tokens of
-the same requests run with ample memory (it must). Exits non-zero if any check fails.
+preemption modes, with 5 % of them aborted at random moments (issue 7); then 500 greedy requests
+through the real engine with the tiny random model, again under a tiny pool in both modes
+(--no-engine skips it). For each run it prints requests finished / aborted / errored / lost
+(lost must be 0), blocks leaked at the end (0), preemptions, wall time, and whether every
+request that finished on its own has the tokens of the same requests run with ample memory (it
+must). Exits non-zero if any check fails.
 
-    python scripts/soak.py [--requests 10000] [--modes recompute swap] [--json results/soak.json]
+    python scripts/soak.py [--requests 10000] [--engine-requests 500] [--no-engine]
+                           [--modes recompute swap] [--json results/soak.json]
 
 The logic lives in pagedjax/soak.py (tests/test_soak.py runs it on a few hundred requests).
 """
@@ -16,17 +19,22 @@ import json
 import os
 import time
 
-from pagedjax.soak import SoakSetup, ample_run, quiet_preemption_warnings, run_soak
+from pagedjax.soak import (EngineSoakSetup, SoakSetup, ample_run, engine_ample_run, quiet_preemption_warnings,
+                           run_soak, soak_engine)
 
 
 def print_section(name: str, r: dict) -> None:
-    print(f"[{name}] {r['requests']:,} requests ({r['sequences']:,} sequences with their n samples), "
+    seqs = f" ({r['sequences']:,} sequences with their n samples)" if r["sequences"] != r["requests"] else ""
+    print(f"[{name}] {r['requests']:,} requests{seqs}, "
           f"preemption_mode={r['mode']}, pool {r['pool']['num_blocks'] - 1} blocks of {r['pool']['block_size']} "
           f"for {r['pool']['max_num_seqs']} seats")
     print(f"  finished {r['finished']:,}   aborted {r['aborted']:,} (of {r['abort_requested']:,} aborts sent; "
-          f"the rest had finished)   errored {r['errored']:,} (injected)   lost {r['lost']}")
+          f"the rest had finished)   errored {r['errored']:,}{' (injected)' if r.get('virtual_s') is not None else ''}"
+          f"   lost {r['lost']}")
+    clock = (f"virtual {r['virtual_s']:.1f} s" if r.get("virtual_s") is not None
+             else f"warm-up {r['warmup_s']:.1f} s   {r['tokens_generated']:,} tokens generated")
     print(f"  blocks leaked {r['blocks_leaked']}   preemptions {r['preemptions']:,}   steps {r['steps']:,}   "
-          f"wall {r['wall_s']:.1f} s   virtual {r['virtual_s']:.1f} s")
+          f"wall {r['wall_s']:.1f} s   {clock}")
     print(f"  aborted while: {', '.join(f'{k} {v}' for k, v in sorted(r['abort_states'].items()))}")
     print(f"  tokens equal to the ample-memory run: {r['tokens_match_ample']} "
           f"({r['tokens_compared']:,} compared, {r['token_mismatches']} differ)")
@@ -47,6 +55,8 @@ def main() -> int:
                     help="chance a sampled token gets non-finite logits (the request ends with an error)")
     ap.add_argument("--num-blocks", type=int, default=SoakSetup.num_blocks, help="device pool (forces preemption)")
     ap.add_argument("--no-check-kv", action="store_true", help="skip reading every context back each step (faster)")
+    ap.add_argument("--engine-requests", type=int, default=500, help="requests of the real-engine section")
+    ap.add_argument("--no-engine", action="store_true", help="skip the real-engine section (the tiny random model)")
     ap.add_argument("--json", default="results/soak.json")
     args = ap.parse_args()
     quiet_preemption_warnings()
@@ -66,11 +76,23 @@ def main() -> int:
         sections[f"sim_{mode}"] = r
         print_section(f"sim_{mode}", r)
 
-    # -- the real engine (--engine) ------------------------------------------------------------------
-    # Added with the engine: the tiny random model, 500 greedy requests, a tiny pool, both
-    # preemption modes, outputs compared with an ample-memory engine run. Each run goes into
-    # `sections` as a dict with the keys print_section reads and an "ok" flag, so the printing,
-    # the exit status and the JSON below cover it unchanged.
+    # -- the real engine (skip with --no-engine) --------------------------------------------------
+    # the tiny random model, greedy requests, a tiny pool, both preemption modes, outputs
+    # compared with an ample-memory engine run
+    eng_ref = None
+    if not args.no_engine:
+        t1 = time.perf_counter()
+        eng_setup = EngineSoakSetup()
+        eng_ref = engine_ample_run(args.engine_requests, args.seed, eng_setup)
+        print(f"engine ample-memory reference run: {len(eng_ref['outputs']):,} requests, "
+              f"{eng_ref['preemptions']} preemptions, {eng_ref['wall_s']:.1f} s "
+              f"(+ {eng_ref['warmup_s']:.1f} s building and warming up a {eng_setup.ample_num_blocks}-block engine)")
+        for mode in args.modes:
+            r = soak_engine(args.engine_requests, mode, seed=args.seed, abort_rate=args.abort_rate,
+                            setup=eng_setup, reference=eng_ref)
+            sections[f"engine_{mode}"] = r
+            print_section(f"engine_{mode}", r)
+        print(f"engine section: {time.perf_counter() - t1:.1f} s in all (reference and warm-ups included)")
 
     ok = all(r["ok"] for r in sections.values())
     print(f"soak: {'all checks hold' if ok else 'FAILED'} ({time.perf_counter() - t0:.1f} s in all)")
@@ -78,6 +100,7 @@ def main() -> int:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "reference": {k: v for k, v in reference.items() if k != "outputs"},
+                       "engine_reference": eng_ref and {k: v for k, v in eng_ref.items() if k != "outputs"},
                        "sections": sections, "ok": ok}, f, indent=2)
     return 0 if ok else 1
 
