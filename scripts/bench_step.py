@@ -74,8 +74,13 @@ def main() -> int:
     args = ap.parse_args()
     rows = []
     max_b = max(args.batch)
-    eng = LLMEngine(args.model, dtype=args.dtype, max_num_seqs=max_b, max_num_batched_tokens=max(512, max_b),
-                    max_model_len=1024, attention_backend=args.attention_backend, enable_prefix_caching=False)
+    # buckets: each measured batch size is a token bucket of its own (no padded rows), 256-token
+    # prefill chunks, and block tables up to 32 pages (512 tokens): contexts here stay near --context
+    budget = 256
+    eng = LLMEngine(args.model, dtype=args.dtype, max_num_seqs=max_b, max_num_batched_tokens=budget,
+                    max_model_len=512, attention_backend=args.attention_backend, enable_prefix_caching=False,
+                    token_buckets=tuple(sorted(set(args.batch) | {budget})), seq_buckets=tuple(sorted(set(args.batch))),
+                    page_buckets=(8, 16, 32))
     t0 = time.perf_counter()
     buckets = eng.buckets()
     warm = eng.warmup()
