@@ -1,0 +1,290 @@
+"""pagedjax.bench: workloads, the ideal continuous/static ratio, metrics and tables, the capacity
+study, and one small end-to-end run of the serving benchmark on the tiny random model (no hf)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from pagedjax import bench
+from pagedjax.metrics import RequestRecord, StepStats
+
+VOCAB = 1000
+
+
+# -- workloads ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", bench.WORKLOADS)
+def test_workloads_are_deterministic(name):
+    a = bench.make_workload(name, 50, VOCAB, seed=3)
+    b = bench.make_workload(name, 50, VOCAB, seed=3)
+    c = bench.make_workload(name, 50, VOCAB, seed=4)
+    assert a == b
+    assert a != c
+    assert len({r.request_id for r in a}) == 50
+    assert all(3 <= t < VOCAB for r in a for t in r.prompt_token_ids)
+    assert all(r.max_tokens >= 1 and r.prompt_len >= 1 and r.arrival == 0.0 for r in a)
+
+
+def test_mixed_lengths_follow_the_background_formula():
+    reqs = bench.make_workload("mixed", 20_000, VOCAB, seed=0, prompt_mean=24, prompt_floor=8, prompt_cap=128,
+                               output_mean=32, output_floor=4, output_cap=192)
+    p = np.array([r.prompt_len for r in reqs])
+    o = np.array([r.max_tokens for r in reqs])
+    assert p.min() >= 8 and p.max() <= 128 and o.min() >= 4 and o.max() <= 192
+    # floor + int(Exp(mean)): mean ~ floor + mean - 0.5, the cap barely bites at these ratios
+    assert abs(p.mean() - (8 + 24 - 0.5)) < 1.0
+    assert abs(o.mean() - (4 + 32 - 0.5)) < 1.0
+    # exponential: the median sits at mean * ln 2 above the floor
+    assert abs(np.median(o) - (4 + 32 * math.log(2))) < 1.5
+    assert (o == 192).mean() == pytest.approx(math.exp(-(192 - 4) / 32), abs=0.005)
+
+
+def test_similar_and_random_ranges():
+    sim = bench.make_workload("similar", 2000, VOCAB, prompt_range=(24, 40), output_range=(32, 40))
+    assert {r.prompt_len for r in sim} == set(range(24, 41))
+    assert {r.max_tokens for r in sim} == set(range(32, 41))
+    rnd = bench.make_workload("random", 4000, VOCAB, input_len=64, output_len=100, range_ratio=0.5)
+    p = np.array([r.prompt_len for r in rnd])
+    o = np.array([r.max_tokens for r in rnd])
+    # vLLM's meaning: uniform in [len * (1 - r), len * (1 + r)]
+    assert p.min() == 32 and p.max() == 96 and o.min() == 50 and o.max() == 150
+    assert abs(p.mean() - 64) < 1.5 and abs(o.mean() - 100) < 2
+    fixed = bench.make_workload("random", 10, VOCAB, input_len=16, output_len=8, range_ratio=0.0)
+    assert {(r.prompt_len, r.max_tokens) for r in fixed} == {(16, 8)}
+
+
+def test_shared_prefix_requests_share_exactly_the_prefix():
+    reqs = bench.make_workload("shared-prefix", 20, VOCAB, prefix_len=64, suffix_range=(8, 12), output_range=(5, 6))
+    prefix = reqs[0].prompt_token_ids[:64]
+    assert all(r.prompt_token_ids[:64] == prefix for r in reqs)
+    assert all(8 <= r.prompt_len - 64 <= 12 and 5 <= r.max_tokens <= 6 for r in reqs)
+    # the suffixes differ: the prefix is the only thing they share
+    assert len({r.prompt_token_ids[64:] for r in reqs}) == 20
+
+
+def test_poisson_arrivals_keep_the_lengths():
+    offline = bench.make_workload("mixed", 3000, VOCAB, seed=1)
+    online = bench.make_workload("mixed", 3000, VOCAB, seed=1, request_rate=4.0)
+    assert [(r.prompt_token_ids, r.max_tokens) for r in offline] == [(r.prompt_token_ids, r.max_tokens) for r in online]
+    arr = np.array([r.arrival for r in online])
+    assert np.all(np.diff(arr) >= 0)
+    gaps = np.diff(np.concatenate([[0.0], arr]))
+    assert gaps.mean() == pytest.approx(0.25, rel=0.06)
+    assert gaps.std() == pytest.approx(0.25, rel=0.1)   # exponential: std = mean
+
+
+def test_bad_workload_arguments():
+    with pytest.raises(ValueError, match="workload"):
+        bench.make_workload("nope", 4, VOCAB)
+    with pytest.raises(ValueError, match="knobs"):
+        bench.make_workload("mixed", 4, VOCAB, prefix_len=3)
+    with pytest.raises(ValueError, match="num_requests"):
+        bench.make_workload("mixed", 0, VOCAB)
+    with pytest.raises(ValueError, match="request_rate"):
+        bench.make_workload("mixed", 4, VOCAB, request_rate=0)
+    with pytest.raises(ValueError, match="range_ratio"):
+        bench.make_workload("random", 4, VOCAB, range_ratio=1.0)
+
+
+def test_max_request_len_bounds_every_request():
+    for name in bench.WORKLOADS:
+        reqs = bench.make_workload(name, 500, VOCAB)
+        assert max(r.prompt_len + r.max_tokens for r in reqs) <= bench.max_request_len(name)
+
+
+# -- the ideal ratio ------------------------------------------------------------------------------------
+def test_ideal_ratio_hand_example():
+    # 2 seats, outputs 1, 10, 1, 10. Static: batches [1, 10] and [1, 10] run 10 steps each = 20 steps.
+    # Continuous, FCFS with no overhead: seat A runs 1 (steps 0-1), then 1 (1-2), then 10 (2-12);
+    # seat B runs 10 (0-10): 12 steps. Perfect packing: 40 static seat-steps / 22 tokens.
+    r = bench.ideal_ratio([1, 10, 1, 10], seats=2)
+    assert (r["static_steps"], r["continuous_steps"]) == (20, 12)
+    assert r["ideal"] == pytest.approx(20 / 12)
+    assert (r["static_seat_steps"], r["continuous_seat_steps"], r["output_tokens"]) == (40, 24, 22)
+    assert r["static_held_seat_steps"] == 40
+    assert r["perfect"] == pytest.approx(40 / 22)
+    assert r["static_busy_fraction"] == pytest.approx(22 / 40)
+
+
+def test_ideal_ratio_edges():
+    assert bench.ideal_ratio([7] * 8, seats=4)["ideal"] == 1.0     # equal lengths: nothing to gain
+    assert bench.ideal_ratio([7] * 8, seats=4)["perfect"] == 1.0
+    assert bench.continuous_steps([3, 9, 2], seats=8) == 9             # fewer requests than seats
+    assert bench.static_steps([3, 9, 2, 4, 1], seats=2) == 9 + 4 + 1
+    # the last batch is partial: its seat-steps count only its members
+    r = bench.ideal_ratio([3, 9, 2], seats=2)
+    assert (r["static_seat_steps"], r["static_held_seat_steps"]) == (2 * 11, 2 * 9 + 1 * 2)
+
+
+# -- metrics and tables ---------------------------------------------------------------------------------
+def _record(rid, arrival, times, prompt=10, first_scheduled=None):
+    return RequestRecord(request_id=rid, group_id=rid, num_prompt_tokens=prompt, num_output_tokens=len(times),
+                         arrival=arrival, first_scheduled=arrival if first_scheduled is None else first_scheduled,
+                         first_token=times[0], finished=times[-1], token_times=list(times), finish_reason="length",
+                         num_preemptions=0, num_cached_tokens=0)
+
+
+def test_serving_metrics_hand_example():
+    recs = [_record("a", 0.0, [0.5, 1.0, 1.5]), _record("b", 0.0, [1.0, 3.0], prompt=30, first_scheduled=1.0)]
+    m = bench.serving_metrics(recs, start=0.0, end=3.0)
+    assert m["completed"] == 2 and m["duration_s"] == 3.0
+    assert m["total_output_tokens"] == 5 and m["total_input_tokens"] == 40
+    assert m["output_throughput"] == pytest.approx(5 / 3)
+    assert m["total_token_throughput"] == pytest.approx(45 / 3)
+    assert m["request_throughput"] == pytest.approx(2 / 3)
+    assert m["ttft_ms"]["mean"] == pytest.approx(750)
+    # TPOT = (e2e - TTFT) / (n - 1): a (1.5 - 0.5) / 2 = 0.5 s, b (3 - 1) / 1 = 2 s
+    assert m["tpot_ms"]["mean"] == pytest.approx(1250)
+    assert m["itl_ms"]["n"] == 3 and m["itl_ms"]["mean"] == pytest.approx((500 + 500 + 2000) / 3)
+    assert m["e2e_ms"]["p50"] == pytest.approx(2250)
+    # the queue emptied at t=1.0 (b's first schedule): a's tokens at 0.5 and 1.0 and b's at 1.0 by then
+    assert m["saturated_s"] == 1.0 and m["saturated_output_throughput"] == pytest.approx(3.0)
+
+
+def _step(i, *, rows=4, running=4, usage=0.5, util=0.9, preempted=0, q=0, h=0):
+    return StepStats(step=i, time=float(i), num_running=running, num_waiting=0, num_swapped=0, num_prefill_tokens=0,
+                     num_decode_tokens=rows, num_rows=rows, used_blocks=10, allocated_slots=160, real_tokens=144,
+                     kv_utilization=util, kv_usage=usage, num_preempted=preempted, prefix_query_tokens=q,
+                     prefix_hit_tokens=h)
+
+
+def test_kv_metrics():
+    steps = [_step(0, usage=0.95, util=0.98, q=100, h=75), _step(1, usage=0.5, util=0.8, running=6, preempted=2),
+             _step(2, rows=0, running=0, usage=0.0, util=1.0)]
+    k = bench.kv_metrics(steps, full_threshold=0.9)
+    assert k["num_steps"] == 2                     # the idle step is not counted
+    assert k["peak_kv_usage"] == 0.95 and k["mean_kv_usage"] == pytest.approx(0.725)
+    assert k["mean_kv_utilization"] == pytest.approx(0.89)
+    assert k["kv_utilization_when_full"] == pytest.approx(0.98) and k["steps_pool_full"] == 1
+    assert (k["peak_running"], k["preemptions"], k["prefix_hit_rate"]) == (6, 2, 0.75)
+
+
+def test_fmt_and_format_table():
+    assert bench.fmt(None) == "-" and bench.fmt(float("nan")) == "-"
+    assert bench.fmt(0.1234, "%") == "12.3%" and bench.fmt(3.14159, ".2f") == "3.14"
+    rows = [{"system": "continuous", "a": {"b": 1.5}, "n": 3}, {"system": "hf", "a": {"b": None}, "n": None}]
+    table = bench.format_table(rows, [("system", "system", "s"), ("value", "a.b", ".1f"), ("n", "n", "d")])
+    lines = table.splitlines()
+    assert lines[0].split() == ["system", "value", "n"]
+    assert set(lines[1]) == {"-"}
+    assert lines[2].split() == ["continuous", "1.5", "3"] and lines[3].split() == ["hf", "-", "-"]
+    assert len({len(line) for line in lines}) == 1    # aligned
+
+
+def test_report_json_is_strict_json():
+    out = bench.report_json({"request_rate": math.inf, "x": [1.0, float("nan")], "_results": object()})
+    assert out == {"request_rate": "inf", "x": [1.0, "nan"]}
+    json.dumps(out, allow_nan=False)
+
+
+def test_kernel_timings(tmp_path):
+    rows = [dict(batch=b, context=c, block_size=s, paged_shuffled_s=s * 1e-6 * b, contiguous_s=1e-6 * b,
+                 shuffled_over_contiguous=float(s)) for b in (8, 64) for c in (512, 2048) for s in (16, 64)]
+    path = tmp_path / "k.json"
+    path.write_text(json.dumps({"timings_meaningful": False, "rows": rows}))
+    assert bench.kernel_timings(str(path)) == {}
+    path.write_text(json.dumps({"timings_meaningful": True, "device": "H200", "rows": rows}))
+    k = bench.kernel_timings(str(path))
+    assert set(k) == {16, 64} and k[64]["batch"] == 64 and k[64]["context"] == 2048
+    assert k[64]["paged_ms"] == pytest.approx(64 * 64e-3)
+    assert bench.kernel_timings(str(tmp_path / "missing.json")) == {}
+
+
+def test_context_page_buckets():
+    assert bench.context_page_buckets(16, (128, 256, 640)) == (8, 16, 40)
+    assert bench.context_page_buckets(128, (128, 256)) == (1, 2)
+    assert bench.context_page_buckets(1, (128,)) == (128,)
+
+
+def test_capacity_study_paged_admits_more():
+    rng = np.random.default_rng(0)
+    lengths = list(np.minimum(1024, 20 + rng.exponential(150, 60).astype(int)))
+    r = bench.capacity_study(lengths, capacity=4096, max_model_len=1024, max_num_seqs=64,
+                             max_num_batched_tokens=2048)
+    assert r["contiguous"]["peak_running"] == 4          # 4096 slots / 1024 per reservation
+    assert r["paged"]["peak_running"] >= 4 * r["contiguous"]["peak_running"]
+    assert r["paged"]["finished"] == r["contiguous"]["finished"] == 60
+    assert r["paged"]["kv_utilization_when_full"] > 0.9 > r["contiguous"]["kv_utilization_when_full"]
+
+
+# -- end to end on the tiny random model ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_report():
+    knobs = {"mixed": dict(prompt_mean=6, prompt_floor=2, prompt_cap=24, output_mean=8, output_floor=1, output_cap=40),
+             "similar": dict(prompt_range=(4, 8), output_range=(10, 12)),
+             "shared-prefix": dict(prefix_len=48, suffix_range=(2, 6), output_range=(3, 5))}
+    return bench.run_serving("tiny-random", workloads=("mixed", "similar", "shared-prefix"),
+                             systems=("continuous", "static", "contiguous"),
+                             num_requests={"mixed": 24, "similar": 16, "shared-prefix": 6}, max_num_seqs=8,
+                             knobs=knobs, progress=False, capacity=False, log=lambda s: None,
+                             engine_overrides=dict(max_num_batched_tokens=32, page_buckets=(4, 32), reservations=4))
+
+
+def test_end_to_end_every_system_generates_the_same_tokens(tiny_report):
+    for w, entry in tiny_report["workloads"].items():
+        want = {r.request_id: r.max_tokens for r in bench.make_workload(
+            w, entry["num_requests"], 384, **{k: v for k, v in entry["knobs"].items()})}
+        for system, res in entry["systems"].items():
+            got = {r["id"]: r["output"] for r in res["requests"]}
+            assert got == want, (w, system)
+            assert res["summary"]["compilations"] == 0, (w, system)
+            assert res["summary"]["completed"] == entry["num_requests"]
+
+
+def test_end_to_end_policies_behave_as_named(tiny_report):
+    mixed = {s: e["summary"] for s, e in tiny_report["workloads"]["mixed"]["systems"].items()}
+    # 4 reservations of max_model_len: contiguous never runs more than 4; continuous fills 8 seats
+    assert mixed["contiguous"]["peak_running"] == 4
+    assert mixed["continuous"]["peak_running"] == 8
+    assert mixed["static"]["num_steps"] > mixed["continuous"]["num_steps"]
+    assert mixed["contiguous"]["mean_kv_utilization"] < mixed["continuous"]["mean_kv_utilization"]
+    assert mixed["continuous"]["config"]["num_blocks"] == mixed["contiguous"]["config"]["num_blocks"]
+    ideal = tiny_report["workloads"]["mixed"]["ideal"]
+    # steps track the no-overhead schedules (prefill chunks add a few)
+    assert ideal["continuous_steps"] <= mixed["continuous"]["num_steps"] <= ideal["continuous_steps"] + 12
+    assert ideal["static_steps"] <= mixed["static"]["num_steps"] <= ideal["static_steps"] + 12
+    sp = tiny_report["workloads"]["shared-prefix"]["systems"]["continuous"]["summary"]
+    assert sp["prefix_hit_rate"] > 0.5
+    assert tiny_report["workloads"]["shared-prefix"]["systems"]["contiguous"]["summary"]["prefix_hit_rate"] == 0
+
+
+def test_end_to_end_report_formats_and_serializes(tiny_report):
+    text = bench.format_report(tiny_report)
+    for needle in ("== mixed", "== similar", "== shared-prefix", "out tok/s", "TTFT mean", "ITL mean",
+                   "KV util mean", "where the time goes", "ideal continuous/static", "== targets",
+                   "0 compilations after warm-up in every engine run: 0"):
+        assert needle in text, needle
+    json.dumps(bench.report_json(tiny_report), allow_nan=False)
+    series = tiny_report["_results"]["mixed"][0].step_series()
+    assert len(series["time"]) == tiny_report["workloads"]["mixed"]["systems"]["continuous"]["summary"]["num_steps"]
+
+
+def test_plots_write_pngs(tiny_report, tmp_path):
+    from pagedjax import bench_plots
+
+    results = tiny_report["_results"]["mixed"]
+    for fn in (bench_plots.occupancy, bench_plots.kv_over_time, bench_plots.latency_cdfs):
+        path = fn(results, str(tmp_path / f"{fn.__name__}.png"))
+        assert (tmp_path / f"{fn.__name__}.png").stat().st_size > 1000, path
+    rows = [{"block_size": 8, "kv_waste": 0.01, "admitted": 60}, {"block_size": 16, "kv_waste": 0.02, "admitted": 59}]
+    assert bench_plots.block_size_ablation(rows, str(tmp_path / "ab.png"))
+
+
+def test_engine_bench_refuses_to_switch_mid_run():
+    from pagedjax.engine import LLMEngine
+
+    eng = LLMEngine("tiny-random", max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
+                    token_buckets=(16,), page_buckets=(4,))
+    b = bench.EngineBench(eng)
+    b.use("static")
+    assert eng.config.scheduling == "static" and eng.scheduler.config.scheduling == "static"
+    b.use("contiguous")   # changes apply to the base config, not on top of the previous system
+    assert (eng.config.scheduling, eng.config.allocation) == ("continuous", "contiguous")
+    eng.add_request("x", [5, 6, 7])
+    with pytest.raises(RuntimeError, match="unfinished"):
+        b.use("continuous")
+    with pytest.raises(ValueError, match="engine system"):
+        bench.EngineBench(eng).use("hf")
