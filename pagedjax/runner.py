@@ -10,9 +10,8 @@ after `warmup()` has compiled every bucket, requests joining and leaving never c
 Attention backends:
   "reference"  the pool is read inside the layer loop (only the pages each token needs) and the
                step's K/V are written once after it (`forward_split`): the fast path on a CPU.
-  "pallas"     each layer writes its K/V into the pool, then decode rows go through the Pallas
-               paged-attention kernel and prefill chunks through the ragged reference
-               (the ragged Pallas kernel where available). In interpret mode on a CPU.
+  "pallas"     each layer writes its K/V into the pool, then every token (prefill chunks and
+               decodes) goes through the ragged Pallas kernel. In interpret mode on a CPU.
   "auto"       "reference" on CPU, "pallas" on GPU/TPU.
 Copy-on-write copies, swap-out and swap-in move whole blocks with small jitted functions over
 padded index arrays (padding copies the null block onto itself).
@@ -37,8 +36,7 @@ import numpy as np
 from pagedjax import parallel
 from pagedjax.config import EngineConfig
 from pagedjax.model.llama import (AttentionMetadata, ModelConfig, compute_logits, forward, forward_split,
-                                  init_kv_cache, token_layout)
-from pagedjax.pallas.reference import ragged_paged_attention_reference
+                                  init_kv_cache)
 from pagedjax.sampling import sample
 from pagedjax.scheduler.batch import StepInput
 from pagedjax.scheduler.scheduler import SchedulerOutput
@@ -57,30 +55,14 @@ def resolve_backend(backend: str) -> str:
 
 
 def _pallas_attention(q, k_cache, v_cache, attn: AttentionMetadata):
-    """Decode rows (one new token) through the Pallas decode kernel, everything else through the
-    ragged path; both read the pool, which already holds this step's K/V."""
-    from pagedjax.pallas import paged_attention
+    """Every token of the step, prefill chunks and decodes alike, through the ragged Pallas
+    kernel; it reads the pool, which already holds this step's K/V. (Whether decode-only steps
+    are faster through the decode kernel, `paged_attention`, is for a GPU run of
+    scripts/bench_kernel.py --ragged to say; until measured, one kernel serves all.)"""
+    from pagedjax.pallas import ragged_paged_attention
 
-    T = q.shape[0]
-    try:
-        from pagedjax.pallas import ragged_paged_attention
-        return ragged_paged_attention(q, k_cache, v_cache, attn.block_tables, attn.context_lens,
-                                      attn.query_start_loc, attn.num_seqs)
-    except ImportError:
-        pass
-    ragged = ragged_paged_attention_reference(q, k_cache, v_cache, attn.block_tables, attn.context_lens,
-                                              attn.query_start_loc, attn.num_seqs)
-    # rows with exactly one new token: its query is row qsl[s]; other rows' kernel output is unused
-    qsl = attn.query_start_loc
-    S = attn.block_tables.shape[0]
-    live = jnp.arange(S) < attn.num_seqs
-    is_decode = live & (qsl[1:] - qsl[:-1] == 1)
-    q_rows = q[jnp.clip(qsl[:-1], 0, T - 1)]
-    lengths = jnp.where(is_decode, attn.context_lens, 0)
-    dec = paged_attention(q_rows, k_cache, v_cache, attn.block_tables, lengths)
-    seq, _, _, valid = token_layout(attn, T)
-    use_dec = valid & is_decode[seq]
-    return jnp.where(use_dec[:, None, None], dec[seq].astype(ragged.dtype), ragged)
+    return ragged_paged_attention(q, k_cache, v_cache, attn.block_tables, attn.context_lens,
+                                  attn.query_start_loc, attn.num_seqs)
 
 
 class _Counter:
