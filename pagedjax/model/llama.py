@@ -302,6 +302,16 @@ def _linear(x: jax.Array, w: jax.Array, lp: Mapping[str, jax.Array], bias: str) 
     return y + lp[bias] if bias in lp else y
 
 
+def _step_inputs(params, cfg: ModelConfig, token_ids, positions, attn):
+    """What both forward paths start from: the metadata as a tuple, the compute dtype, the
+    embedded tokens and the rotary cos/sin of their positions."""
+    if isinstance(attn, Mapping):
+        attn = AttentionMetadata(**attn)
+    dtype = params["embed_tokens"].dtype
+    cos, sin = rope_cos_sin(cfg, positions, dtype)
+    return attn, dtype, params["embed_tokens"][token_ids], cos, sin
+
+
 def forward(params: Mapping[str, Any], cfg: ModelConfig, token_ids: jax.Array, positions: jax.Array,
             kv_cache: tuple[jax.Array, jax.Array], attn: AttentionMetadata | Mapping[str, jax.Array],
             *, attention_fn: AttentionFn = reference_attention,
@@ -312,12 +322,8 @@ def forward(params: Mapping[str, Any], cfg: ModelConfig, token_ids: jax.Array, p
     RMSNorm (`compute_logits` applies it, so only the rows that need logits pay for it) and the
     updated `(k_cache, v_cache)`. Padding rows (slot -1) produce finite garbage and write nothing.
     """
-    if isinstance(attn, Mapping):
-        attn = AttentionMetadata(**attn)
-    dtype = params["embed_tokens"].dtype
+    attn, dtype, x, cos, sin = _step_inputs(params, cfg, token_ids, positions, attn)
     T = token_ids.shape[0]
-    x = params["embed_tokens"][token_ids]
-    cos, sin = rope_cos_sin(cfg, positions, dtype)
     k_cache, v_cache = kv_cache
 
     def layer(x, xs):
@@ -414,12 +420,8 @@ def forward_split(params: Mapping[str, Any], cfg: ModelConfig, token_ids: jax.Ar
     read, in the same step, a block another request is filling: the KV cache manager keeps
     such blocks pending until the step has run.
     """
-    if isinstance(attn, Mapping):
-        attn = AttentionMetadata(**attn)
-    dtype = params["embed_tokens"].dtype
+    attn, dtype, x, cos, sin = _step_inputs(params, cfg, token_ids, positions, attn)
     T = token_ids.shape[0]
-    x = params["embed_tokens"][token_ids]
-    cos, sin = rope_cos_sin(cfg, positions, dtype)
     k_cache, v_cache = kv_cache
     seq, pos, start, valid = token_layout(attn, T)
     tables = attn.block_tables[seq]                     # [T, P]
