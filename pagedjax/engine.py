@@ -180,8 +180,12 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        request_id = str(self._counter) if request_id is None else str(request_id)
-        self._counter += 1
+        if request_id is None:  # the next number no live request already uses as its id
+            while str(self._counter) in self._groups or str(self._counter) in self.scheduler.requests:
+                self._counter += 1
+            request_id = str(self._counter)
+            self._counter += 1
+        request_id = str(request_id)
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
         text, ids = self._tokenize(prompt)

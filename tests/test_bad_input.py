@@ -212,6 +212,8 @@ def add(request_id, prompt=ids(GOOD), params=GREEDY):
 case("add_request: duplicate id", duplicate_id, r"request_id 'dup'", r"already in use by an unfinished request")
 case("add_request: '#' in the id", add("a#1"), r"request_id 'a#1'",
      r"must not contain '#': 'id#k' is reserved for sample k")
+case("add_request: '~' in the id", add("a~1"), r"request_id 'a~1'",
+     r"must not contain '~': 'id~k' is reserved for beam k of a beam search")
 case("add_request: n > max_num_seqs", add("wide", params=SamplingParams(n=9)), r"\bn \(9\)",
      r"exceeds max_num_seqs \(8\)")
 case("add_request: dict without a prompt", add("d", prompt={"text": "hi"}), r"a dict prompt",

@@ -522,3 +522,19 @@ def test_nonfinite_logits_end_only_that_request(crowd_llm):
     assert [r.outputs[0].token_ids for r in results[:1] + results[2:]] == alone
     assert all(r.outputs[0].finish_reason == "length" for r in results[:1] + results[2:])
     assert_pool_clean(crowd_llm.llm_engine)
+
+
+def test_generated_ids_skip_ids_a_caller_already_uses(llm_ref):
+    eng = llm_ref.llm_engine
+    prompt = prompts_of(np.random.default_rng(400), [5])[0]
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    taken = str(eng._counter)                    # the number the engine would hand out next
+    assert eng.add_request(taken, ids(prompt), sp) == taken
+    auto = eng.add_request(None, ids(prompt), sp)
+    assert auto != taken
+    done = {}
+    while eng.has_unfinished_requests():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    assert set(done) == {taken, auto}
+    assert done[taken].outputs[0].token_ids == done[auto].outputs[0].token_ids
+    assert_pool_clean(eng)

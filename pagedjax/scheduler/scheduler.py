@@ -130,10 +130,11 @@ class Scheduler:
         cfg = self.config
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use by an unfinished request")
-        if "#" in req.request_id:
-            # a collision would give two requests one block table
-            raise ValueError(f"request_id {req.request_id!r} must not contain '#': 'id#k' is reserved "
-                             f"for sample k of an n > 1 request")
+        for sep, what in (("#", "sample k of an n > 1 request"), ("~", "beam k of a beam search")):
+            if sep in req.request_id:
+                # a collision would give two requests one block table
+                raise ValueError(f"request_id {req.request_id!r} must not contain {sep!r}: 'id{sep}k' is "
+                                 f"reserved for {what}")
         if req.num_prompt_tokens < 1:
             raise ValueError("prompt must contain at least 1 token")
         if req.max_num_tokens > cfg.max_model_len:
