@@ -5,7 +5,9 @@ decode steps are timed through the whole engine (schedule, pack, device step, sa
 update). Beside it, in the same process, a jitted *matmul-only* step of the same model and
 batch: embeddings, every projection, the MLP and the output head, no attention, no KV write,
 no sampling, no host work. The ratio full / matmul-only says what attention, KV writes,
-sampling and host work add on top of the unavoidable part.
+sampling and host work add on top of the unavoidable part. On the CPU path it also times the
+jitted forward alone at the same batch and context, with and without the attention over the
+cached context, to say how much of the difference that attention is.
 
     python scripts/bench_step.py [--model smollm2-135m] [--batch 1 8 32 64] [--context 200]
 """
@@ -13,6 +15,7 @@ sampling and host work add on top of the unavoidable part.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -23,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pagedjax.engine import LLMEngine
-from pagedjax.model.llama import _attn_out_and_mlp, _linear, rms_norm
+from pagedjax.model.llama import (AttentionMetadata, _attn_out_and_mlp, _linear, compute_logits, forward_split,
+                                  init_kv_cache, rms_norm)
 from pagedjax.sampling_params import SamplingParams
 
 
@@ -51,6 +55,43 @@ def matmul_only_step(params, cfg, B: int):
     ids = jnp.zeros(B, jnp.int32)
     jax.block_until_ready(f(params, ids))
     return lambda: jax.block_until_ready(f(params, ids))
+
+
+def forward_step(params, cfg, B: int, context: int, block_size: int, pages: int, *, with_context: bool):
+    """The jitted CPU forward (`forward_split`) plus the head and argmax for B decode tokens, each
+    at position `context` - 1 of its own row in a random-content pool, cache donated; with
+    `with_context=False` the attention over the cached context is skipped (the step's own K/V
+    only), so the difference of the two is what reading the context costs."""
+    rng = np.random.default_rng(0)
+    n_pages = -(-context // block_size)
+    num_blocks = B * n_pages + 1
+    kv = tuple(jnp.asarray(rng.standard_normal(c.shape, np.float32) * 0.1, c.dtype)
+               for c in init_kv_cache(cfg, num_blocks, block_size, params["embed_tokens"].dtype))
+    tables = np.zeros((B, pages), np.int32)
+    tables[:, :n_pages] = 1 + rng.permutation(B * n_pages).reshape(B, n_pages)
+    last = context - 1
+    attn = AttentionMetadata(jnp.asarray(tables[:, last // block_size] * block_size + last % block_size),
+                             jnp.asarray(tables), jnp.full(B, context, jnp.int32),
+                             jnp.arange(B + 1, dtype=jnp.int32), jnp.int32(B))
+    ids, pos = jnp.zeros(B, jnp.int32), jnp.full(B, last, jnp.int32)
+
+    def no_context(q, *_):
+        return (jnp.full(q.shape[:3], -jnp.inf, jnp.float32), jnp.zeros(q.shape[:3], jnp.float32),
+                jnp.zeros(q.shape, jnp.float32))
+
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def f(params, kv, ids, pos, attn):
+        h, kv = forward_split(params, cfg, ids, pos, kv, attn, context_fn=None if with_context else no_context)
+        return jnp.argmax(compute_logits(params, cfg, h), axis=-1), kv
+
+    state = {"kv": kv}
+
+    def run():
+        out, state["kv"] = f(params, state["kv"], ids, pos, attn)
+        jax.block_until_ready(out)
+
+    run()
+    return run
 
 
 def timed(fn, n):
@@ -98,13 +139,25 @@ def main() -> int:
         compiles = eng.num_compilations
         full, _ = timed(eng.step, args.steps)
         mm, _ = timed(matmul_only_step(eng.runner.params, eng.model_config, B), args.steps)
+        fwd = fwd_noctx = None
+        if eng.backend == "reference":
+            # where the extra time goes: the same forward with and without reading the context
+            pages = max(p for p in eng.config.page_buckets if p)  # any bucket: the work follows the context
+            fwd, _ = timed(forward_step(eng.runner.params, eng.model_config, B, args.context + args.steps,
+                                        eng.config.block_size, pages, with_context=True), args.steps)
+            fwd_noctx, _ = timed(forward_step(eng.runner.params, eng.model_config, B, args.context + args.steps,
+                                              eng.config.block_size, pages, with_context=False), args.steps)
         for rid in list(eng._groups):
             eng.abort_request(rid)
         row = {"batch": B, "context": args.context, "step_ms": full * 1e3, "matmul_only_ms": mm * 1e3,
-               "ratio": full / mm, "decode_tok_s": B / full, "new_compilations": eng.num_compilations - compiles}
+               "ratio": full / mm, "decode_tok_s": B / full, "new_compilations": eng.num_compilations - compiles,
+               "forward_ms": fwd and fwd * 1e3, "forward_no_context_ms": fwd_noctx and fwd_noctx * 1e3}
         rows.append(row)
         print(f"batch {B:>3}: step {full * 1e3:7.1f} ms  matmul-only {mm * 1e3:7.1f} ms  ratio {full / mm:4.2f}  "
               f"decode {B / full:7.1f} tok/s  compilations during decode: {row['new_compilations']}")
+        if fwd is not None:
+            print(f"           forward alone {fwd * 1e3:7.1f} ms, without the context attention "
+                  f"{fwd_noctx * 1e3:7.1f} ms: reading the cached context costs {(fwd - fwd_noctx) * 1e3:.1f} ms")
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:

@@ -504,16 +504,14 @@ def context_attention(q, k_cache, v_cache, layer, tables, seq, start, *, tile: i
     return m[inv], den[inv], o[inv]
 
 
-def split_attention(q, k_new, v_new, ctx, seq, pos, valid):
+def split_attention(qg, k_new, v_new, ctx, seq, pos, valid):
     """One softmax over two parts: a token's cached context (the state `context_attention`
     returns) and this step's own K/V (same row, causal).
 
-    q [T, H, D]; k_new, v_new [T, KVH, D]; ctx = (m, denom, o) per token and query head group;
-    seq, pos, valid from `token_layout`. Returns f32 [T, H, D]."""
-    T, H, D = q.shape
-    KVH = k_new.shape[1]
+    qg [T, KVH, G, D] float32, scaled; k_new, v_new [T, KVH, D]; ctx = (m, denom, o) per token
+    and query head; seq, pos, valid from `token_layout`. Returns f32 [T, KVH * G, D]."""
+    T, KVH, G, D = qg.shape
     m_ctx, den_ctx, o_ctx = ctx
-    qg = q.astype(jnp.float32).reshape(T, KVH, H // KVH, D) * (D ** -0.5)
     s_new = jnp.einsum("tkgd,ukd->tkgu", qg, k_new.astype(jnp.float32))
     m_new = (seq[None, :] == seq[:, None]) & (pos[None, :] <= pos[:, None]) & valid[None, :] & valid[:, None]
     s_new = jnp.where(m_new[:, None, None, :], s_new, -jnp.inf)
@@ -524,12 +522,12 @@ def split_attention(q, k_new, v_new, ctx, seq, pos, valid):
     denom = den_ctx * alpha + jnp.sum(p_new, axis=-1)
     o = o_ctx * alpha[..., None] + jnp.einsum("tkgu,ukd->tkgd", p_new, v_new.astype(jnp.float32))
     o = o / jnp.where(denom > 0, denom, 1.0)[..., None]
-    return o.reshape(T, H, D)
+    return o.reshape(T, KVH * G, D)
 
 
 def forward_split(params: Mapping[str, Any], cfg: ModelConfig, token_ids: jax.Array, positions: jax.Array,
                   kv_cache: tuple[jax.Array, jax.Array], attn: AttentionMetadata | Mapping[str, jax.Array],
-                  ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+                  *, context_fn: Callable = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """`forward` for the CPU: the same math, but the pool is only *read* inside the layer loop
     and the step's K/V are written once after it.
 
@@ -539,7 +537,10 @@ def forward_split(params: Mapping[str, Any], cfg: ModelConfig, token_ids: jax.Ar
     attends over those (positions before the row's new tokens) plus the step's own K/V. So a
     request must never read, in the same step, a block another request is filling: the KV cache
     manager keeps such blocks pending until the step has run.
+
+    `context_fn` replaces `context_attention` (scripts/bench_step.py times the step without it).
     """
+    context_fn = context_attention if context_fn is None else context_fn
     attn, dtype, x, cos, sin = _step_inputs(params, cfg, token_ids, positions, attn)
     T = token_ids.shape[0]
     k_cache, v_cache = kv_cache
@@ -554,8 +555,8 @@ def forward_split(params: Mapping[str, Any], cfg: ModelConfig, token_ids: jax.Ar
         lp, l = xs
         q, k, v = _qkv(cfg, lp, x, cos, sin)
         qg = q.astype(jnp.float32).reshape(T, cfg.num_kv_heads, G, cfg.head_dim) * scale
-        ctx = context_attention(qg, k_cache, v_cache, l, tables, ctx_seq, ctx_start)
-        o = split_attention(q, k, v, ctx, seq, pos, valid).astype(dtype)
+        ctx = context_fn(qg, k_cache, v_cache, l, tables, ctx_seq, ctx_start)
+        o = split_attention(qg, k, v, ctx, seq, pos, valid).astype(dtype)
         return _attn_out_and_mlp(cfg, lp, x, o), (k.astype(k_cache.dtype), v.astype(v_cache.dtype))
 
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
