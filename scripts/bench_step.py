@@ -29,6 +29,7 @@ from pagedjax.engine import LLMEngine
 from pagedjax.model.llama import (AttentionMetadata, _attn_out_and_mlp, _linear, compute_logits, forward_split,
                                   init_kv_cache, rms_norm)
 from pagedjax.sampling_params import SamplingParams
+from pagedjax.scheduler.sequence import RequestStatus
 
 
 def matmul_only_step(params, cfg, B: int):
@@ -57,7 +58,8 @@ def matmul_only_step(params, cfg, B: int):
     return lambda: jax.block_until_ready(f(params, ids))
 
 
-def forward_step(params, cfg, B: int, context: int, block_size: int, pages: int, *, with_context: bool):
+def forward_step(params, cfg, B: int, context: int, block_size: int, pages: int, *, with_context: bool,
+                 shuffled: bool = False):
     """The jitted CPU forward (`forward_split`) plus the head and argmax for B decode tokens, each
     at position `context` - 1 of its own row in a random-content pool, cache donated; with
     `with_context=False` the attention over the cached context is skipped (the step's own K/V
@@ -68,7 +70,8 @@ def forward_step(params, cfg, B: int, context: int, block_size: int, pages: int,
     kv = tuple(jnp.asarray(rng.standard_normal(c.shape, np.float32) * 0.1, c.dtype)
                for c in init_kv_cache(cfg, num_blocks, block_size, params["embed_tokens"].dtype))
     tables = np.zeros((B, pages), np.int32)
-    tables[:, :n_pages] = 1 + rng.permutation(B * n_pages).reshape(B, n_pages)
+    blocks = rng.permutation(B * n_pages) if shuffled else np.arange(B * n_pages)
+    tables[:, :n_pages] = 1 + blocks.reshape(B, n_pages)
     last = context - 1
     attn = AttentionMetadata(jnp.asarray(tables[:, last // block_size] * block_size + last % block_size),
                              jnp.asarray(tables), jnp.full(B, context, jnp.int32),
@@ -94,13 +97,15 @@ def forward_step(params, cfg, B: int, context: int, block_size: int, pages: int,
     return run
 
 
-def timed(fn, n):
-    ts = []
+def timed_in_turn(fns, n):
+    """Median seconds of each of `fns`, called in turn n times, so drift hits them alike."""
+    ts = [[] for _ in fns]
     for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts)), ts
+        for f, t in zip(fns, ts):
+            t0 = time.perf_counter()
+            f()
+            t.append(time.perf_counter() - t0)
+    return [float(np.median(t)) for t in ts]
 
 
 def main() -> int:
@@ -118,8 +123,9 @@ def main() -> int:
     # buckets: each measured batch size is a token bucket of its own (no padded rows), 256-token
     # prefill chunks, and block tables up to 32 pages (512 tokens): contexts here stay near --context
     budget = 256
+    max_model_len = 512
     eng = LLMEngine(args.model, dtype=args.dtype, max_num_seqs=max_b, max_num_batched_tokens=budget,
-                    max_model_len=512, attention_backend=args.attention_backend, enable_prefix_caching=False,
+                    max_model_len=max_model_len, attention_backend=args.attention_backend, enable_prefix_caching=False,
                     token_buckets=tuple(sorted(set(args.batch) | {budget})), seq_buckets=tuple(sorted(set(args.batch))),
                     page_buckets=(8, 16, 32))
     t0 = time.perf_counter()
@@ -129,31 +135,38 @@ def main() -> int:
           f"compiled in {warm:.1f} s ({eng.num_compilations} compilations)")
     rng = random.Random(0)
     for B in args.batch:
+        # the first requests decode while the later ones prefill: every request must still be
+        # decoding when the timed steps end (they are aborted after), or the batch would shrink
         for i in range(B):
             prompt = [rng.randrange(100, eng.model_config.vocab_size) for _ in range(args.context)]
             eng.add_request(f"b{B}-{i}", {"prompt_token_ids": prompt},
-                            SamplingParams(temperature=0, max_tokens=args.steps + 20, ignore_eos=True))
+                            SamplingParams(temperature=0, max_tokens=max_model_len - args.context, ignore_eos=True))
         while any(r.num_output_tokens == 0 for r in eng.scheduler.requests.values()):
             eng.step()
         eng.step()
+        mm_step = matmul_only_step(eng.runner.params, eng.model_config, B)
         compiles = eng.num_compilations
-        full, _ = timed(eng.step, args.steps)
-        mm, _ = timed(matmul_only_step(eng.runner.params, eng.model_config, B), args.steps)
+        full, mm = timed_in_turn([eng.step, mm_step], args.steps)  # side by side: drift hits both
+        live = [r for r in eng.scheduler.requests.values() if r.status == RequestStatus.RUNNING]
+        if len(live) != B:
+            raise RuntimeError(f"batch {B}: only {len(live)} requests still decoding after the timed steps")
+        context = float(np.mean([r.num_computed_tokens for r in live]))
         fwd = fwd_noctx = None
         if eng.backend == "reference":
             # where the extra time goes: the same forward with and without reading the context
             pages = max(p for p in eng.config.page_buckets if p)  # any bucket: the work follows the context
-            fwd, _ = timed(forward_step(eng.runner.params, eng.model_config, B, args.context + args.steps,
-                                        eng.config.block_size, pages, with_context=True), args.steps)
-            fwd_noctx, _ = timed(forward_step(eng.runner.params, eng.model_config, B, args.context + args.steps,
-                                              eng.config.block_size, pages, with_context=False), args.steps)
+            # blocks scattered over the pool as a long-running server's are; the two timed in turn
+            fwd, fwd_noctx = timed_in_turn(
+                [forward_step(eng.runner.params, eng.model_config, B, round(context),
+                              eng.config.block_size, pages, with_context=w, shuffled=True) for w in (True, False)],
+                args.steps)
         for rid in list(eng._groups):
             eng.abort_request(rid)
-        row = {"batch": B, "context": args.context, "step_ms": full * 1e3, "matmul_only_ms": mm * 1e3,
+        row = {"batch": B, "prompt": args.context, "mean_context_after": context, "step_ms": full * 1e3, "matmul_only_ms": mm * 1e3,
                "ratio": full / mm, "decode_tok_s": B / full, "new_compilations": eng.num_compilations - compiles,
                "forward_ms": fwd and fwd * 1e3, "forward_no_context_ms": fwd_noctx and fwd_noctx * 1e3}
         rows.append(row)
-        print(f"batch {B:>3}: step {full * 1e3:7.1f} ms  matmul-only {mm * 1e3:7.1f} ms  ratio {full / mm:4.2f}  "
+        print(f"batch {B:>3} (mean context {context:.0f}): step {full * 1e3:7.1f} ms  matmul-only {mm * 1e3:7.1f} ms  ratio {full / mm:4.2f}  "
               f"decode {B / full:7.1f} tok/s  compilations during decode: {row['new_compilations']}")
         if fwd is not None:
             print(f"           forward alone {fwd * 1e3:7.1f} ms, without the context attention "
