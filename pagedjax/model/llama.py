@@ -381,16 +381,18 @@ def token_layout(attn: AttentionMetadata, T: int):
 
 
 # Work sizes of `context_attention`: a tile of query tokens reads its rows' pages a chunk at a
-# time. On the 2-core CPU (scripts/bench_step.py, SmolLM2, 30 layers) 16 tokens x 2 pages keeps
-# the gathered K/V of one chunk (16 x 2 x 12 KiB) in L2 and was the fastest of 8-32 x 2-8.
-# A tile that is one row (a prefill chunk after cached context) reads 8 pages per iteration.
+# time. On the 2-core CPU (scripts/bench_step.py, SmolLM2, 30 layers, block size 16) tiles of 16
+# tokens reading 32 context positions (2 pages) per iteration were the fastest of 8-32 tokens x
+# 16-128 positions: one chunk's gathered K (16 x 2 pages x 12 KiB) stays in L2. A tile that is one
+# row (a prefill chunk after cached context) reads 128 positions per iteration. Chunks are whole
+# pages, at least one, so tiny blocks do not mean tiny loop iterations.
 CTX_TILE_TOKENS = 16
-CTX_CHUNK_PAGES = 2
-CTX_ROW_CHUNK_PAGES = 8
+CTX_CHUNK_TOKENS = 32
+CTX_ROW_CHUNK_TOKENS = 128
 
 
 def context_attention(q, k_cache, v_cache, layer, tables, seq, start, *, tile: int = CTX_TILE_TOKENS,
-                      chunk_pages: int = CTX_CHUNK_PAGES, row_chunk_pages: int = CTX_ROW_CHUNK_PAGES):
+                      chunk_tokens: int = CTX_CHUNK_TOKENS, row_chunk_tokens: int = CTX_ROW_CHUNK_TOKENS):
     """Each token's attention over its row's *cached* context (positions < start), read from the
     pool page chunk by page chunk, returned as an online-softmax state to merge with the step's
     own K/V.
@@ -410,8 +412,9 @@ def context_attention(q, k_cache, v_cache, layer, tables, seq, start, *, tile: i
     T, KVH, G, D = q.shape
     bs = k_cache.shape[3]
     tile = min(tile, T)
-    c, chunk = chunk_pages, chunk_pages * bs
-    rc = row_chunk_pages
+    c = max(1, chunk_tokens // bs)          # pages per iteration
+    chunk = c * bs
+    rc = max(1, row_chunk_tokens // bs)
     order = jnp.argsort(-start, stable=True)        # most context first; a row's tokens stay together
     Tp = -(-T // tile) * tile
     pad_t = Tp - T
