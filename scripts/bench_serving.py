@@ -2,7 +2,7 @@
 reservation (all the same pagedjax engine, the same KV memory) and Hugging Face transformers'
 `generate`, with vLLM's `bench serve` metrics. The logic lives in pagedjax/bench.py.
 
-    python scripts/bench_serving.py                     # what `make run` runs (~10 min on 2 CPU cores)
+    python scripts/bench_serving.py                     # what `make run` runs (~5 min on 2 CPU cores)
     python scripts/bench_serving.py --quick             # a small version of the same (~3 min)
     python scripts/bench_serving.py --workloads mixed --systems continuous,static --num-requests 128
     python scripts/bench_serving.py --workloads random --random-input-len 128 --random-output-len 64
