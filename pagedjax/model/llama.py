@@ -432,52 +432,40 @@ def context_attention(q, k_cache, v_cache, layer, tables, seq, start, *, tile: i
         rows = cache.reshape(L_, KVH, NB, bs * D)[layer, :, pages]
         return rows.reshape(*pages.shape, KVH, bs, D)
 
-    def merge(carry, s, pv_fn):
-        m, den, o = carry
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        p = jnp.exp(s - m_safe[..., None])
-        alpha = jnp.exp(m - m_safe)
-        return m_new, den * alpha + jnp.sum(p, axis=-1), o * alpha[..., None] + pv_fn(p)
-
     def run_tile(i, out):
-        m_out, d_out, o_out = out
         t0 = i * tile
-        qt = jax.lax.dynamic_slice_in_dim(qs, t0, tile)
-        stt = jax.lax.dynamic_slice_in_dim(st, t0, tile)
-        tabt = jax.lax.dynamic_slice_in_dim(tab, t0, tile)
-        sqt = jax.lax.dynamic_slice_in_dim(sq, t0, tile)
+        qt, stt, tabt, sqt = (jax.lax.dynamic_slice_in_dim(x, t0, tile) for x in (qs, st, tab, sq))
+        empty = (jnp.full(cdims, -jnp.inf, jnp.float32), jnp.zeros(cdims, jnp.float32),
+                 jnp.zeros((*cdims, D), jnp.float32))
 
-        def masked(s, j):
-            n = s.shape[-1]
-            pos = j * n + jnp.arange(n)
-            return jnp.where(pos[None, None, None, :] < stt[:, None, None, None], s, -jnp.inf)
+        def one_row():
+            # every token of the tile belongs to one row: read its pages once, rc pages at a
+            # time, as [tile * G, D] x [D, rc * bs] products, with an online softmax
+            def body(j, carry):
+                m, den, o = carry
+                pages = jax.lax.dynamic_slice_in_dim(tabt[0], j * rc, rc)                 # [rc]
+                k, v = read_pages(k_cache, pages), read_pages(v_cache, pages)            # [rc, KVH, bs, D]
+                s = jnp.einsum("tkgd,ckjd->tkgcj", qt, k.astype(jnp.float32)).reshape(*cdims, rc * bs)
+                pos = j * rc * bs + jnp.arange(rc * bs)
+                s = jnp.where(pos[None, None, None, :] < stt[:, None, None, None], s, -jnp.inf)
+                m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+                m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+                p = jnp.exp(s - m_safe[..., None])
+                alpha = jnp.exp(m - m_safe)
+                pv = jnp.einsum("tkgcj,ckjd->tkgd", p.reshape(*cdims, rc, bs), v.astype(jnp.float32))
+                return m_new, den * alpha + jnp.sum(p, axis=-1), o * alpha[..., None] + pv
 
-        def per_token(j, carry):                       # every token reads its own row's pages
-            pages = jax.lax.dynamic_slice_in_dim(tabt, j * c, c, axis=1)             # [tile, c]
-            k, v = read_pages(k_cache, pages), read_pages(v_cache, pages)            # [tile, c, KVH, bs, D]
-            s = jnp.einsum("tkgd,tckjd->tkgcj", qt, k.astype(jnp.float32)).reshape(*cdims, chunk)
-            pv = lambda p: jnp.einsum("tkgcj,tckjd->tkgd", p.reshape(*cdims, c, bs), v.astype(jnp.float32))
-            return merge(carry, masked(s, j), pv)
+            return jax.lax.fori_loop(0, -(-stt[0] // (rc * bs)), body, empty)   # longest context first
 
-        def one_row(j, carry):                         # the tile is one row: read its pages once
-            pages = jax.lax.dynamic_slice_in_dim(tabt[0], j * rc, rc)                 # [rc]
-            k, v = read_pages(k_cache, pages), read_pages(v_cache, pages)            # [rc, KVH, bs, D]
-            s = jnp.einsum("tkgd,ckjd->tkgcj", qt, k.astype(jnp.float32)).reshape(*cdims, rc * bs)
-            pv = lambda p: jnp.einsum("tkgcj,ckjd->tkgd", p.reshape(*cdims, rc, bs), v.astype(jnp.float32))
-            return merge(carry, masked(s, j), pv)
-
-        init = (jnp.full(cdims, -jnp.inf, jnp.float32), jnp.zeros(cdims, jnp.float32),
-                jnp.zeros((*cdims, D), jnp.float32))
-        one = (sqt[0] == sqt[-1]) & (sqt[0] >= 0)
-        def per_token_two_pass():
-            # scores of every chunk first, one softmax, then the values: fewer small ops per
-            # loop iteration than an online softmax, which matters for 16-token tiles on a CPU
+        def per_token():
+            # tokens of several rows: each reads its own row's pages, c at a time. Scores of every
+            # chunk first, one softmax, then the values: fewer small ops per loop iteration than
+            # an online softmax, which matters for 16-token tiles on a CPU
             n = -(-stt[0] // chunk)
             width = tab.shape[1] * bs
 
             def scores(j, s_all):
-                pages = jax.lax.dynamic_slice_in_dim(tabt, j * c, c, axis=1)
+                pages = jax.lax.dynamic_slice_in_dim(tabt, j * c, c, axis=1)             # [tile, c]
                 s = jnp.einsum("tkgd,tckjd->tkgcj", qt, read_pages(k_cache, pages).astype(jnp.float32))
                 return jax.lax.dynamic_update_slice_in_dim(s_all, s.reshape(*cdims, chunk), j * chunk, 3)
 
@@ -491,14 +479,10 @@ def context_attention(q, k_cache, v_cache, layer, tables, seq, start, *, tile: i
                 pj = jax.lax.dynamic_slice_in_dim(p, j * chunk, chunk, 3).reshape(*cdims, c, bs)
                 return o + jnp.einsum("tkgcj,tckjd->tkgd", pj, read_pages(v_cache, pages).astype(jnp.float32))
 
-            return m, jnp.sum(p, axis=-1), jax.lax.fori_loop(0, n, values, init[2])
+            return m, jnp.sum(p, axis=-1), jax.lax.fori_loop(0, n, values, empty[2])
 
-        # the tile's longest context comes first
-        m, den, o = jax.lax.cond(one, lambda: jax.lax.fori_loop(0, -(-stt[0] // (rc * bs)), one_row, init),
-                                 per_token_two_pass)
-        return (jax.lax.dynamic_update_slice_in_dim(m_out, m, t0, 0),
-                jax.lax.dynamic_update_slice_in_dim(d_out, den, t0, 0),
-                jax.lax.dynamic_update_slice_in_dim(o_out, o, t0, 0))
+        state = jax.lax.cond((sqt[0] == sqt[-1]) & (sqt[0] >= 0), one_row, per_token)
+        return tuple(jax.lax.dynamic_update_slice_in_dim(acc, x, t0, 0) for acc, x in zip(out, state))
 
     out = (jnp.full((Tp, KVH, G), -jnp.inf, jnp.float32), jnp.zeros((Tp, KVH, G), jnp.float32),
            jnp.zeros((Tp, KVH, G, D), jnp.float32))
