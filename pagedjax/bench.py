@@ -1074,43 +1074,27 @@ def ablate_block_size(block_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128)
     kernel = kernel_timings(kernel_json)
     knobs = {**dict(output_mean=16, output_cap=96), **(workload_knobs or {})}
     rows = []
-    with _load_model_once():
-        for bs in block_sizes:
-            rows.append(_ablation_row(bs, lengths, kernel, knobs, model=model, num_requests=num_requests,
-                                      max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                                      reservations=reservations, run_engine=run_engine, seed=seed,
-                                      progress=progress))
-            row = rows[-1]
-            log(f"block {bs:>3}: waste {row['kv_waste']:.1%}, admitted {row['admitted']}"
-                + (f", {row['output_throughput']:.1f} out tok/s" if "output_throughput" in row else "")
-                + (f" ({row['engine_error']})" if "engine_error" in row else ""))
+    # one engine per block size, on weights loaded (and dequantized) once
+    loaded = None
+    if run_engine:
+        from pagedjax.engine import load_any_model
+
+        loaded = load_any_model(model, np.float32, seed)
+    for bs in block_sizes:
+        rows.append(_ablation_row(bs, lengths, kernel, knobs, model=loaded, num_requests=num_requests,
+                                  max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                  reservations=reservations, run_engine=run_engine, seed=seed,
+                                  progress=progress))
+        row = rows[-1]
+        log(f"block {bs:>3}: waste {row['kv_waste']:.1%}, admitted {row['admitted']}"
+            + (f", {row['output_throughput']:.1f} out tok/s" if "output_throughput" in row else "")
+            + (f" ({row['engine_error']})" if "engine_error" in row else ""))
     return {"model": model, "num_requests": num_requests, "max_num_seqs": max_num_seqs,
             "max_model_len": max_model_len, "kv_token_slots": reservations * max_model_len,
             "workload": {"name": "mixed", **WORKLOAD_DEFAULTS["mixed"], **knobs},
             "admission": {"lengths": "background_lengths(): 200, seed 7, mean 600 + 50, cap 4096",
                           "capacity": 32768, "max_model_len": 4096},
             "kernel_json": kernel_json if kernel else None, "rows": rows}
-
-
-@contextlib.contextmanager
-def _load_model_once():
-    """One engine per block size, but the weights loaded (and dequantized) once: LLMEngine takes a
-    model name, so its loader is memoized for the duration."""
-    import pagedjax.engine as engine_module
-
-    original, cache = engine_module.load_any_model, {}
-
-    def load(model, dtype, seed):
-        key = (model, str(dtype), seed)
-        if key not in cache:
-            cache[key] = original(model, dtype, seed)
-        return cache[key]
-
-    engine_module.load_any_model = load
-    try:
-        yield
-    finally:
-        engine_module.load_any_model = original
 
 
 def _ablation_row(bs, lengths, kernel, knobs, *, model, num_requests, max_num_seqs, max_model_len, reservations,

@@ -19,7 +19,7 @@ import random
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -64,17 +64,27 @@ class ByteTokenizer:
         return self.encode(text) if tokenize else text
 
 
-def load_any_model(model: str, dtype: Any, seed: int):
+class LoadedModel(NamedTuple):
+    """A model's config, weights and tokenizer, as `load_any_model` returns them. Pass one as
+    `LLMEngine(model=...)` to build several engines (say, one per block size) on weights loaded
+    and dequantized once."""
+
+    model_config: ModelConfig
+    params: Any
+    tokenizer: Any
+
+
+def load_any_model(model: str, dtype: Any, seed: int) -> LoadedModel:
     """`model`: a HF directory, a .gguf file, "smollm2-135m" or "tiny-random"."""
     if model == "tiny-random":
-        return TINY_RANDOM, init_random_params(TINY_RANDOM, jax.random.key(seed), dtype), ByteTokenizer()
+        return LoadedModel(TINY_RANDOM, init_random_params(TINY_RANDOM, jax.random.key(seed), dtype), ByteTokenizer())
     from pagedjax.model.weights import load_model
 
     if model in ("smollm2-135m", "smollm2", "default"):
         from pagedjax.model.hub import default_model_path
 
         model = str(default_model_path())
-    return load_model(model, dtype)
+    return LoadedModel(*load_model(model, dtype))
 
 
 # -- outputs ---------------------------------------------------------------------------------------
@@ -115,11 +125,15 @@ class _Group:
 
 
 class LLMEngine:
-    def __init__(self, model: str = "smollm2-135m", *, dtype: str | Any = "float32", max_logprobs: int = 20,
+    def __init__(self, model: str | LoadedModel = "smollm2-135m", *, dtype: str | Any = "float32", max_logprobs: int = 20,
                  logits_hook=None, **config_kwargs):
         self.config = config = EngineConfig(**config_kwargs)
         self.dtype = _float_dtype(dtype)
-        self.model_config, params, self.tokenizer = load_any_model(model, self.dtype, config.seed)
+        if isinstance(model, LoadedModel):
+            self.model_config, params, self.tokenizer = model
+            params = jax.tree.map(lambda w: w.astype(self.dtype) if w.dtype != self.dtype else w, params)
+        else:
+            self.model_config, params, self.tokenizer = load_any_model(model, self.dtype, config.seed)
         mc = self.model_config
         if config.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's "
@@ -427,7 +441,7 @@ class BeamSearchOutput:
 class LLM:
     """vLLM's offline entry point: `LLM(model, **engine_args).generate(prompts, sampling_params)`."""
 
-    def __init__(self, model: str = "smollm2-135m", **kwargs):
+    def __init__(self, model: str | LoadedModel = "smollm2-135m", **kwargs):
         self.llm_engine = LLMEngine(model, **kwargs)
 
     @property

@@ -288,3 +288,23 @@ def test_engine_bench_refuses_to_switch_mid_run():
         b.use("continuous")
     with pytest.raises(ValueError, match="engine system"):
         bench.EngineBench(eng).use("hf")
+
+
+def test_ablate_block_size_runs_one_engine_per_block_size_on_weights_loaded_once(monkeypatch):
+    import pagedjax.engine as engine_module
+
+    loads = []
+    original = engine_module.load_any_model
+
+    def counting(*a):
+        loads.append(a)
+        return original(*a)
+
+    monkeypatch.setattr(engine_module, "load_any_model", counting)
+    report = bench.ablate_block_size((8, 16), model="tiny-random", num_requests=6, max_num_seqs=4,
+                                     max_model_len=64, reservations=4, progress=False, log=lambda _: None,
+                                     workload_knobs=dict(prompt_cap=16, output_mean=4, output_cap=8))
+    assert len(loads) == 1
+    rows = {r["block_size"]: r for r in report["rows"]}
+    assert set(rows) == {8, 16}
+    assert all(r["output_throughput"] > 0 and r["compilations_after_warmup"] == 0 for r in rows.values()), rows

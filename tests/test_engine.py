@@ -538,3 +538,16 @@ def test_generated_ids_skip_ids_a_caller_already_uses(llm_ref):
     assert set(done) == {taken, auto}
     assert done[taken].outputs[0].token_ids == done[auto].outputs[0].token_ids
     assert_pool_clean(eng)
+
+
+def test_engine_on_preloaded_weights_equals_engine_by_name():
+    from pagedjax.engine import LoadedModel, load_any_model
+
+    loaded = load_any_model("tiny-random", jnp.float32, 0)
+    assert isinstance(loaded, LoadedModel)
+    kw = dict(max_num_seqs=4, max_model_len=64, num_blocks=32)
+    prompt = {"prompt_token_ids": [5, 9, 13, 200, 7]}
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    by_name = LLM("tiny-random", **kw).generate([prompt], sp, use_tqdm=False)[0].outputs[0].token_ids
+    preloaded = LLM(loaded, **kw).generate([prompt], sp, use_tqdm=False)[0].outputs[0].token_ids
+    assert preloaded == by_name
