@@ -38,26 +38,10 @@ RANDOM_LLAMA = dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, nu
 
 
 def write_random_llama(path: Path, c: dict, seed: int = 0) -> None:
-    """A HF directory (config.json + model.safetensors, no tokenizer) of random weights."""
-    from safetensors.numpy import save_file
+    """A HF directory (config.json + model.safetensors, no tokenizer) of random weights, HF's init scale."""
+    from pagedjax.model.weights import write_random_llama as write
 
-    (path / "config.json").write_text(json.dumps(dict(
-        c, architectures=["LlamaForCausalLM"], model_type="llama", rms_norm_eps=1e-5, rope_theta=10000.0,
-        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, hidden_act="silu")))
-    hd, q, kv, i = (c["hidden_size"], c["num_attention_heads"] * c["head_dim"],
-                    c["num_key_value_heads"] * c["head_dim"], c["intermediate_size"])
-    shapes = {"model.embed_tokens.weight": (c["vocab_size"], hd), "model.norm.weight": (hd,),
-              "lm_head.weight": (c["vocab_size"], hd)}
-    for layer in range(c["num_hidden_layers"]):
-        p = f"model.layers.{layer}."
-        shapes |= {p + "input_layernorm.weight": (hd,), p + "post_attention_layernorm.weight": (hd,),
-                   p + "self_attn.q_proj.weight": (q, hd), p + "self_attn.k_proj.weight": (kv, hd),
-                   p + "self_attn.v_proj.weight": (kv, hd), p + "self_attn.o_proj.weight": (hd, q),
-                   p + "mlp.gate_proj.weight": (i, hd), p + "mlp.up_proj.weight": (i, hd),
-                   p + "mlp.down_proj.weight": (hd, i)}
-    rng = np.random.default_rng(seed)
-    save_file({k: (np.ones(s) if "norm" in k else 0.02 * rng.standard_normal(s)).astype(np.float32)
-               for k, s in shapes.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    write(path, c, seed=seed, matrix_std=0.02)
 
 
 def main() -> int:

@@ -24,6 +24,7 @@ import pytest
 
 from pagedjax.config import EngineConfig
 from pagedjax.model.llama import ModelConfig
+from pagedjax.model.weights import write_random_llama
 from pagedjax.parallel import check_tensor_parallel
 
 SIZES = (1, 2, 4, 8)
@@ -41,26 +42,7 @@ MAX_TOKENS = 10
 def _write_tiny_hf(path: Path, seed: int = 0) -> None:
     """config.json + model.safetensors, weights spread wider than HF's init so greedy tokens are
     not near-ties (norms 1 + 0.2 N(0, 1), matrices 0.15 N(0, 1), as tests/engine_helpers.py does)."""
-    from safetensors.numpy import save_file
-
-    c = TINY
-    (path / "config.json").write_text(json.dumps(dict(
-        c, architectures=["LlamaForCausalLM"], model_type="llama", rms_norm_eps=1e-5, rope_theta=10000.0,
-        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, hidden_act="silu")))
-    hd, q, kv, i, v = (c["hidden_size"], c["num_attention_heads"] * c["head_dim"],
-                       c["num_key_value_heads"] * c["head_dim"], c["intermediate_size"], c["vocab_size"])
-    shapes = {"model.embed_tokens.weight": (v, hd), "model.norm.weight": (hd,), "lm_head.weight": (v, hd)}
-    for layer in range(c["num_hidden_layers"]):
-        p = f"model.layers.{layer}."
-        shapes |= {p + "input_layernorm.weight": (hd,), p + "post_attention_layernorm.weight": (hd,),
-                   p + "self_attn.q_proj.weight": (q, hd), p + "self_attn.k_proj.weight": (kv, hd),
-                   p + "self_attn.v_proj.weight": (kv, hd), p + "self_attn.o_proj.weight": (hd, q),
-                   p + "mlp.gate_proj.weight": (i, hd), p + "mlp.up_proj.weight": (i, hd),
-                   p + "mlp.down_proj.weight": (hd, i)}
-    rng = np.random.default_rng(seed)
-    tensors = {k: (1 + 0.2 * rng.standard_normal(s) if "norm" in k else 0.15 * rng.standard_normal(s))
-               .astype(np.float32) for k, s in shapes.items()}
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    write_random_llama(path, TINY, seed=seed, matrix_std=0.15, norm_std=0.2)
 
 
 _CAPTURED: list = []

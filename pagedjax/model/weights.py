@@ -209,3 +209,34 @@ def _assemble(cfg: ModelConfig, get: Getter, dtype: jnp.dtype,
 
 def _hf_shape(ours: tuple[int, ...], transpose: bool) -> tuple[int, ...]:
     return tuple(reversed(ours)) if transpose else tuple(ours)
+
+
+def write_random_llama(path: str | Path, config: dict, *, seed: int = 0, matrix_std: float = 0.02,
+                       norm_std: float = 0.0) -> None:
+    """Write a Hugging Face directory (config.json + model.safetensors, no tokenizer) of a random
+    Llama with an untied head: matrices N(0, matrix_std), norm weights 1 + N(0, norm_std).
+
+    `config` holds the sizes (vocab_size, hidden_size, intermediate_size, num_hidden_layers,
+    num_attention_heads, num_key_value_heads, head_dim, max_position_embeddings). For tests and
+    benchmarks that need a checkpoint on disk without a model hub."""
+    from safetensors.numpy import save_file
+
+    path = Path(path)
+    (path / "config.json").write_text(json.dumps(dict(
+        config, architectures=["LlamaForCausalLM"], model_type="llama", rms_norm_eps=1e-5, rope_theta=10000.0,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, hidden_act="silu")))
+    c = config
+    hd, q, kv, i, v = (c["hidden_size"], c["num_attention_heads"] * c["head_dim"],
+                       c["num_key_value_heads"] * c["head_dim"], c["intermediate_size"], c["vocab_size"])
+    shapes = {"model.embed_tokens.weight": (v, hd), "model.norm.weight": (hd,), "lm_head.weight": (v, hd)}
+    for layer in range(c["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        shapes |= {p + "input_layernorm.weight": (hd,), p + "post_attention_layernorm.weight": (hd,),
+                   p + "self_attn.q_proj.weight": (q, hd), p + "self_attn.k_proj.weight": (kv, hd),
+                   p + "self_attn.v_proj.weight": (kv, hd), p + "self_attn.o_proj.weight": (hd, q),
+                   p + "mlp.gate_proj.weight": (i, hd), p + "mlp.up_proj.weight": (i, hd),
+                   p + "mlp.down_proj.weight": (hd, i)}
+    rng = np.random.default_rng(seed)
+    tensors = {k: (1 + norm_std * rng.standard_normal(s) if "norm" in k else matrix_std * rng.standard_normal(s))
+               .astype(np.float32) for k, s in shapes.items()}
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
