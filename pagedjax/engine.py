@@ -142,7 +142,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's sliding_window "
                              f"({mc.sliding_window}); attention here is full, so keep sequences inside the window")
         check_tensor_parallel(config.tensor_parallel_size, mc)  # before sizing the pool per device
-        self.backend = resolve_backend(config.attention_backend)
+        self.backend = resolve_backend(config.attention_backend, config.tensor_parallel_size)
         if self.backend == "pallas" and config.block_size not in KERNEL_BLOCK_SIZES:
             raise ValueError(f"block_size ({config.block_size}) must be one of {KERNEL_BLOCK_SIZES} for the "
                              f"Pallas kernel (attention_backend={config.attention_backend!r})")

@@ -9,10 +9,13 @@ after `warmup()` has compiled every bucket, requests joining and leaving never c
 
 Attention backends:
   "reference"  the pool is read inside the layer loop (only the pages each token needs) and the
-               step's K/V are written once after it (`forward_split`): the fast path on a CPU.
+               step's K/V are written once after it (`forward_split`), all in XLA ops.
+  "native"     the same split step, with the cached-context attention in a C++ kernel called
+               through jax.ffi (pagedjax/native): the fast path on a CPU.
   "pallas"     each layer writes its K/V into the pool, then every token (prefill chunks and
                decodes) goes through the ragged Pallas kernel. In interpret mode on a CPU.
-  "auto"       "reference" on CPU, "pallas" on GPU/TPU.
+  "auto"       "native" on CPU ("reference" if it cannot be built, or with tensor parallelism),
+               "pallas" on GPU/TPU.
 Copy-on-write copies, swap-out and swap-in move whole blocks with small jitted functions over
 padded index arrays (padding copies the null block onto itself).
 
@@ -33,10 +36,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pagedjax import parallel
+from pagedjax import native, parallel
 from pagedjax.config import EngineConfig
 from pagedjax.model.llama import (AttentionMetadata, ModelConfig, compute_logits, forward, forward_split,
-                                  init_kv_cache)
+                                  init_kv_cache, xla_attention)
 from pagedjax.sampling import sample
 from pagedjax.scheduler.batch import StepInput
 from pagedjax.scheduler.scheduler import SchedulerOutput
@@ -46,11 +49,26 @@ logger = logging.getLogger(__name__)
 COPY_BUCKETS = (8, 64, 512)
 
 
-def resolve_backend(backend: str) -> str:
+def resolve_backend(backend: str, tensor_parallel_size: int = 1) -> str:
+    """The backend an engine runs: "auto" is "native" on a CPU when the kernel builds and the heads
+    are not split over devices (an FFI call has no sharding rule), else "reference"; "pallas"
+    on a GPU or TPU. An explicit "native" that cannot run is an error that says why."""
     if backend == "auto":
-        return "reference" if jax.default_backend() == "cpu" else "pallas"
-    if backend not in ("reference", "pallas"):
-        raise ValueError(f"attention_backend must be 'auto', 'pallas' or 'reference', got {backend!r}")
+        if jax.default_backend() != "cpu":
+            return "pallas"
+        return "native" if tensor_parallel_size == 1 and native.available() else "reference"
+    if backend not in ("reference", "pallas", "native"):
+        raise ValueError(f"attention_backend must be 'auto', 'pallas', 'reference' or 'native', got {backend!r}")
+    if backend == "native":
+        if jax.default_backend() != "cpu":
+            raise ValueError(f"attention_backend='native' is a CPU kernel; this process runs on "
+                             f"{jax.default_backend()!r} (use 'auto' or 'pallas')")
+        if tensor_parallel_size != 1:
+            raise ValueError(f"attention_backend='native' needs tensor_parallel_size 1, got {tensor_parallel_size} "
+                             "(use 'reference' to split heads over devices)")
+        if not native.available():
+            raise ValueError(f"attention_backend='native': the CPU kernel could not be built: "
+                             f"{native.unavailable_reason()}")
     return backend
 
 
@@ -91,9 +109,12 @@ def _step_fn(params, kv_cache, a, *, cfg, backend, num_logprobs, logits_hook, me
     _trace()
     attn = AttentionMetadata(a["slot_mapping"], a["block_tables"], a["context_lens"],
                              a["query_start_loc"], a["num_seqs"])
-    if backend == "reference":
-        # sharded by GSPMD alone: the pages are gathered along the (split) kv-head axis in place
-        hidden, kv_cache = forward_split(params, cfg, a["token_ids"], a["positions"], kv_cache, attn)
+    if backend in ("reference", "native"):
+        # "reference" is sharded by GSPMD alone: the pages are gathered along the (split) kv-head
+        # axis in place; "native" reads them in a C++ loop (pagedjax/native)
+        attention_fn = native.attention if backend == "native" else xla_attention
+        hidden, kv_cache = forward_split(params, cfg, a["token_ids"], a["positions"], kv_cache, attn,
+                                         attention_fn=attention_fn)
     else:
         attention_fn = _pallas_attention if mesh is None else parallel.shard_attention(_pallas_attention, mesh)
         hidden, kv_cache = forward(params, cfg, a["token_ids"], a["positions"], kv_cache, attn,
@@ -138,7 +159,7 @@ class ModelRunner:
         self.params = params
         self.config = config
         self.num_blocks = num_blocks
-        self.backend = resolve_backend(config.attention_backend)
+        self.backend = resolve_backend(config.attention_backend, config.tensor_parallel_size)
         self.num_logprobs = num_logprobs
         self.kv_dtype = kv_dtype or jax.tree.leaves(params)[0].dtype
         self.tensor_parallel_size = tp = config.tensor_parallel_size

@@ -45,8 +45,17 @@ def _sample_random(logits, temperature, top_k, top_p, min_p, seeds, positions):
     masked = jnp.where(keep, sorted_logits, -jnp.inf)
     u = jax.vmap(lambda k: jax.random.uniform(k, (V,), minval=1e-20, maxval=1.0))(_row_keys(seeds, positions))
     gumbel = -jnp.log(-jnp.log(u))
-    choice = jnp.argmax(masked + gumbel, axis=-1)
+    choice = _argmax(masked + gumbel)   # row 0 of `keep` is always kept: a finite max
     return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+
+
+def _argmax(logits: jax.Array) -> jax.Array:
+    """jnp.argmax over the last axis (the first index of the maximum) of finite logits, as a max
+    and a min over indices: two reductions XLA vectorises on a CPU, where its variadic argmax
+    reduction is not (0.9 vs 3.6 ms for [32, 49152] on the 2-core CPU)."""
+    V = logits.shape[-1]
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    return jnp.min(jnp.where(logits == m, jnp.arange(V, dtype=jnp.int32), V), axis=-1)
 
 
 def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,
@@ -54,17 +63,20 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
     """logits f32[S, V]; per-row temperature (0 = greedy), top_k (0 = off), top_p, min_p,
     seeds uint32[S, 2], positions int32[S]. Returns (token int32[S], logprob f32[S],
     top ids int32[S, num_logprobs], top logprobs f32[S, num_logprobs])."""
-    greedy = jnp.argmax(logits, axis=-1)
+    greedy = _argmax(logits)
     tokens = jax.lax.cond(
         jnp.all(temperature == 0),
         lambda: greedy,  # the common benchmark case skips the sort entirely
         lambda: jnp.where(temperature == 0, greedy,
                           _sample_random(logits, temperature, top_k, top_p, min_p, seeds, positions)),
     ).astype(jnp.int32)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    token_logprob = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    # log-probabilities relative to one logsumexp per row; the whole [S, V] log_softmax is only
+    # built when top logprobs are asked for
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    lse = m + jnp.log(jnp.sum(jnp.exp(logits - m), axis=-1, keepdims=True))
+    token_logprob = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse[:, 0]
     if num_logprobs:
-        top_lp, top_ids = jax.lax.top_k(logp, num_logprobs)
+        top_lp, top_ids = jax.lax.top_k(logits - lse, num_logprobs)
     else:
         top_lp = jnp.zeros((logits.shape[0], 0), jnp.float32)
         top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import pytest
+
 
 @dataclass
 class FakeRequest:
@@ -39,3 +41,15 @@ def decode(mgr, req, token):
     req.num_computed_tokens += 1
     mgr.commit()
     return new
+
+
+def require_native():
+    """For tests of the native CPU kernel: skip on a machine with no C++ compiler; fail, with
+    the compiler's message, where there is one and the kernel does not build."""
+    from pagedjax import native
+
+    if native.compiler() is None:
+        pytest.skip("no C++ compiler: the native CPU kernel cannot be built here")
+    reason = native.unavailable_reason()
+    if reason is not None:
+        pytest.fail(f"the native CPU kernel did not build: {reason}")

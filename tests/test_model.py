@@ -15,8 +15,10 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import require_native
+from pagedjax import native
 from pagedjax.model import AttentionMetadata, ModelConfig, compute_logits, forward, load_model
-from pagedjax.model.llama import forward_split, init_kv_cache, init_random_params, rope_inv_freq
+from pagedjax.model.llama import forward_split, init_kv_cache, init_random_params, rope_inv_freq, xla_attention
 
 BLOCK_SIZE = 4
 
@@ -67,9 +69,13 @@ class Pager:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "split"), donate_argnames=("kv_cache",))
-def step_fn(params, cfg, token_ids, positions, kv_cache, attn, split=False):
-    fwd = forward_split if split else forward
-    hidden, kv_cache = fwd(params, cfg, token_ids, positions, kv_cache, attn)
+def step_fn(params, cfg, token_ids, positions, kv_cache, attn, split=None):
+    """split: None for `forward`, "xla" or "native" for `forward_split` with that attention."""
+    if split is None:
+        hidden, kv_cache = forward(params, cfg, token_ids, positions, kv_cache, attn)
+    else:
+        attention_fn = native.attention if split == "native" else xla_attention
+        hidden, kv_cache = forward_split(params, cfg, token_ids, positions, kv_cache, attn, attention_fn=attention_fn)
     return compute_logits(params, cfg, hidden), kv_cache
 
 
@@ -181,10 +187,12 @@ def test_config_from_hf(tiny):
                                       hf.model.layers[i].self_attn.q_proj.weight.detach().numpy().T)
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["forward", "forward_split"])
+@pytest.mark.parametrize("split", [None, "xla", "native"], ids=["forward", "forward_split", "forward_split-native"])
 def test_ragged_prefill_and_decode_match_hf(tiny, split):
     """4 prompts prefilled in one call; then greedy decode with a 5th prompt arriving mid-way,
     prefilled in two chunks alongside the others' decode tokens."""
+    if split == "native":
+        require_native()
     name, hf, cfg, params, _ = tiny
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (5, 1, 12, 7, 9)]

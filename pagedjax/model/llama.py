@@ -364,9 +364,18 @@ def _attn_out_and_mlp(cfg: ModelConfig, lp: Mapping[str, jax.Array], x: jax.Arra
     return x + _linear(jax.nn.silu(gate) * up, lp["down_proj"], lp, "down_bias")
 
 
-def token_layout(attn: AttentionMetadata, T: int):
-    """Per token: its row (sequence), its position, where its row's new tokens start, and
-    whether it is a real token. Rows >= num_seqs are padding."""
+class TokenLayout(NamedTuple):
+    """Per token of a step: its row (sequence), its position, where its row's new tokens start
+    (= the row's cached positions), and whether it is a real token."""
+
+    seq: jax.Array
+    pos: jax.Array
+    start: jax.Array
+    valid: jax.Array
+
+
+def token_layout(attn: AttentionMetadata, T: int) -> TokenLayout:
+    """The `TokenLayout` of a step of T tokens. Rows >= num_seqs are padding."""
     qsl = attn.query_start_loc
     S = attn.block_tables.shape[0]
     t = jnp.arange(T, dtype=jnp.int32)
@@ -377,7 +386,7 @@ def token_layout(attn: AttentionMetadata, T: int):
     q_len = qsl[seq + 1] - qsl[seq]
     start = attn.context_lens[seq] - q_len          # first position written this step
     pos = start + (t - qsl[seq])
-    return seq, pos, start, valid
+    return TokenLayout(seq, pos, start, valid)
 
 
 # Work sizes of `context_attention`: a tile of query tokens reads its rows' pages a chunk at a
@@ -512,29 +521,40 @@ def split_attention(qg, k_new, v_new, ctx, seq, pos, valid):
     return o.reshape(T, KVH * G, D)
 
 
+def xla_attention(qg, k_new, v_new, k_cache, v_cache, layer, tables, layout: TokenLayout):
+    """A layer's attention on the CPU path in XLA ops: `context_attention` over each token's
+    cached context, merged by `split_attention` with the step's own K/V.
+
+    qg [T, KVH, G, D] float32, scaled; k_new, v_new [T, KVH, D]; the stacked pool
+    [L, KVH, NB, BS, D]; layer an int32 scalar; tables [T, P] each token's row's block table.
+    Returns f32 [T, KVH * G, D]. `pagedjax.native.attention` is the same in one C++ call."""
+    seq, pos, start, valid = layout
+    ctx = context_attention(qg, k_cache, v_cache, layer, tables, jnp.where(valid, seq, -1),
+                            jnp.where(valid, start, 0))
+    return split_attention(qg, k_new, v_new, ctx, seq, pos, valid)
+
+
 def forward_split(params: Mapping[str, Any], cfg: ModelConfig, token_ids: jax.Array, positions: jax.Array,
                   kv_cache: tuple[jax.Array, jax.Array], attn: AttentionMetadata | Mapping[str, jax.Array],
-                  *, context_fn: Callable = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+                  *, attention_fn: Callable = xla_attention) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """`forward` for the CPU: the same math, but the pool is only *read* inside the layer loop
     and the step's K/V are written once after it.
 
     Why (shared/PLATFORM.md): a cache fed to lax.scan as xs is copied layer slice by layer
     slice, and a cache carried and scattered into costs more still. Here each layer reads only
-    the pages its tokens need, straight from the whole stacked cache (`context_attention`), and
-    attends over those (positions before the row's new tokens) plus the step's own K/V. So a
-    request must never read, in the same step, a block another request is filling: the KV cache
-    manager keeps such blocks pending until the step has run.
+    the pages its tokens need, straight from the whole stacked cache, and attends over those
+    (positions before the row's new tokens) plus the step's own K/V. So a request must never
+    read, in the same step, a block another request is filling: the KV cache manager keeps such
+    blocks pending until the step has run.
 
-    `context_fn` replaces `context_attention` (scripts/bench_step.py times the step without it).
+    `attention_fn(qg, k_new, v_new, k_cache, v_cache, layer, tables, layout)` is a layer's
+    attention: `xla_attention` (the "reference" backend) or `pagedjax.native.attention`.
     """
-    context_fn = context_attention if context_fn is None else context_fn
     attn, dtype, x, cos, sin = _step_inputs(params, cfg, token_ids, positions, attn)
     T = token_ids.shape[0]
     k_cache, v_cache = kv_cache
-    seq, pos, start, valid = token_layout(attn, T)
-    tables = attn.block_tables[seq]                     # [T, P]
-    ctx_start = jnp.where(valid, start, 0)
-    ctx_seq = jnp.where(valid, seq, -1)
+    layout = token_layout(attn, T)
+    tables = attn.block_tables[layout.seq]              # [T, P]
     G = cfg.num_heads // cfg.num_kv_heads
     scale = cfg.head_dim ** -0.5
 
@@ -542,8 +562,7 @@ def forward_split(params: Mapping[str, Any], cfg: ModelConfig, token_ids: jax.Ar
         lp, l = xs
         q, k, v = _qkv(cfg, lp, x, cos, sin)
         qg = q.astype(jnp.float32).reshape(T, cfg.num_kv_heads, G, cfg.head_dim) * scale
-        ctx = context_fn(qg, k_cache, v_cache, l, tables, ctx_seq, ctx_start)
-        o = split_attention(qg, k, v, ctx, seq, pos, valid).astype(dtype)
+        o = attention_fn(qg, k, v, k_cache, v_cache, l, tables, layout).astype(dtype)
         return _attn_out_and_mlp(cfg, lp, x, o), (k.astype(k_cache.dtype), v.astype(v_cache.dtype))
 
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)

@@ -1,0 +1,131 @@
+"""Native CPU kernels, built on first use and called from jitted code through `jax.ffi`.
+
+One kernel so far: `attention`, the CPU step's attention (pagedjax/native/attention.cc): each
+token over its row's cached context, read page by page from the pool, and over the step's own
+K/V of its row. It computes what `pagedjax.model.llama.xla_attention` computes with XLA ops
+(`context_attention` + `split_attention`), and replaces it in the "native" attention backend
+("auto" on a CPU picks that backend when the kernel builds).
+
+The source is compiled once per machine with the C++ compiler found as `$CXX`, else `g++`, else
+`c++`, against the XLA FFI headers jaxlib ships (`jax.ffi.include_dir()`), with `-march=native`:
+the library is tied to this CPU and this jaxlib, so it lives in the cache directory
+(`$PAGEDJAX_CACHE`, else ~/.cache/pagedjax) under a name hashed from the source, the flags, the
+jaxlib version and the compiler, never in the repository. If no compiler is found or the build
+fails, `available()` says why and "auto" falls back to the XLA ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("attention.cc")
+TARGET = "pagedjax_cpu_attention"
+SYMBOL = "PagedjaxCpuAttention"
+# -ffast-math lets the dot products and exp vectorise (glibc's vector exp); the kernel never
+# computes with infinities (see kNoScore in the source)
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC")
+
+
+class NativeUnavailable(RuntimeError):
+    """The native kernels cannot be built or loaded here; the message says why."""
+
+
+def compiler() -> str | None:
+    """The C++ compiler the kernels are built with, or None."""
+    for name in (os.environ.get("CXX"), "g++", "c++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _library_path(cxx: str) -> Path:
+    from pagedjax.model.hub import cache_dir
+
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), _jaxlib_version().encode(), "".join(version).encode(),
+                 platform.machine().encode()):
+        key.update(part)
+        key.update(b"\0")
+    return cache_dir() / "native" / f"{SOURCE.stem}-{key.hexdigest()[:16]}.so"
+
+
+def _jaxlib_version() -> str:
+    import jaxlib
+
+    return jaxlib.__version__
+
+
+def build(force: bool = False) -> Path:
+    """Compile the kernel library if this machine has no current build; returns its path.
+    Raises `NativeUnavailable` with the compiler's message when it cannot."""
+    cxx = compiler()
+    if cxx is None:
+        raise NativeUnavailable("no C++ compiler found (tried $CXX, g++, c++)")
+    lib = _library_path(cxx)
+    if lib.is_file() and not force:
+        return lib
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+        part = Path(tmp) / lib.name
+        cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(part)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise NativeUnavailable(f"`{' '.join(cmd)}` exited with {proc.returncode}:\n"
+                                    f"{(proc.stderr or proc.stdout).strip()[-3000:]}")
+        os.replace(part, lib)    # atomic: a concurrent build leaves one whole library
+    logger.info("built %s", lib)
+    return lib
+
+
+@lru_cache(maxsize=None)
+def _register() -> str | None:
+    """Build, load and register the FFI target once per process. Returns None when it worked,
+    else the reason it did not."""
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(build()))
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, SYMBOL)), platform="cpu")
+    except (NativeUnavailable, OSError, AttributeError) as e:
+        return str(e)
+    return None
+
+
+def available() -> bool:
+    """Whether the native kernels are built and registered (building them if needed)."""
+    return _register() is None
+
+
+def unavailable_reason() -> str | None:
+    return _register()
+
+
+def attention(qg, k_new, v_new, k_cache, v_cache, layer, tables, layout):
+    """Drop-in for `pagedjax.model.llama.xla_attention` (same arguments, same result): qg f32
+    [T, KVH, G, D] scaled queries; k_new, v_new [T, KVH, D] the step's own K/V; the pool
+    [L, KVH, NB, BS, D] f32 or bf16, not yet holding them; layer an int32 scalar; tables [T, P]
+    each token's row's block table; layout the `TokenLayout` of the step. Returns f32
+    [T, KVH * G, D] (0 for padding tokens)."""
+    reason = _register()
+    if reason is not None:
+        raise NativeUnavailable(reason)
+    T, KVH, G, D = qg.shape
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((T, KVH, G, D), jnp.float32))
+    i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    o = call(f32(qg), f32(k_new), f32(v_new), k_cache, v_cache, i32(layer), i32(tables),
+             i32(jnp.where(layout.valid, layout.seq, -1)), i32(jnp.where(layout.valid, layout.start, 0)))
+    return o.reshape(T, KVH * G, D)

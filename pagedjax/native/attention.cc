@@ -1,0 +1,442 @@
+// The CPU step's attention as one XLA FFI custom call (the "native" attention backend).
+//
+// Computes what `pagedjax.model.llama.context_attention` followed by `split_attention` compute
+// with XLA ops: every query token attends over
+//   1. its row's cached context, positions [0, start), read page by page straight from the
+//      stacked pool through the row's block table, and
+//   2. this step's own K/V of its row up to itself (the row's new tokens are contiguous and in
+//      position order, so that is the run of same-row tokens ending at the token),
+// with one online softmax. XLA spends most of the time of its version gathering pages into
+// temporaries and dispatching many tiny products; here each page is read once per token group
+// while it sits in L1/L2, and the work is spread over XLA's intra-op thread pool.
+//
+//   q      f32 [T, KVH, G, D]      scaled queries, grouped by kv head
+//   k_new  f32 [T, KVH, D]         this step's keys (rotary applied) and values
+//   v_new  f32 [T, KVH, D]
+//   k, v   f32|bf16 [L, KVH, NB, BS, D]   the whole pool (not yet holding this step's K/V)
+//   layer  s32 []                   which layer of the pool to read
+//   tables s32 [T, P]               each token's row's block table
+//   seq    s32 [T]                  each token's row, -1 for padding (output 0)
+//   start  s32 [T]                  cached positions before the row's new tokens
+// ->
+//   o      f32 [T, KVH, G, D]       the attention output
+//
+// Built on first use by pagedjax/native/__init__.py (g++ -O3 -march=native -ffast-math) and
+// checked against the pure-jnp ragged reference in tests/test_native_attention.py.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// Tokens of one row (a prefill chunk) are handled together, at most this many per work item:
+// the pages they share are then read from memory once, and items stay small enough to balance
+// over the threads.
+constexpr int64_t kGroupTokens = 8;
+
+// Stands in for -inf: the library is built with -ffast-math (so that the loops vectorise) and
+// must never compute with infinities. exp(kNoScore - m) is exactly 0 for any real score m.
+constexpr float kNoScore = -1e30f;
+
+inline float Bf16ToF32(uint16_t x) {
+  uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+struct Shapes {
+  int64_t T, KVH, G, D, L, NB, BS, P;
+};
+
+// One work item: tokens [t0, t1) of one row and one kv head; row_first is the row's first token.
+struct Item {
+  int64_t t0, t1, row_first, h;
+};
+
+// One token's G query heads, online-softmax state: running max, denominator, output (G x D).
+struct State {
+  float* mx;
+  float* dn;
+  float* acc;
+};
+
+// Attend one token's G query heads (q: G x D, contiguous) over n key/value rows (row j at
+// k + j * D, v + j * D), updating the state. The portable version: the compiler vectorises over D.
+// scratch holds G * 16 floats.
+inline void AttendGeneric(const float* __restrict q, int64_t G, int64_t D, const float* __restrict k,
+                          const float* __restrict v, int64_t n, State s, float* __restrict scratch) {
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t nj = std::min<int64_t>(16, n - j0);
+    for (int64_t j = 0; j < nj; ++j) {  // each K row loaded once for the G heads
+      const float* __restrict kj = k + (j0 + j) * D;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* __restrict qg = q + g * D;
+        float dot = 0.f;
+        for (int64_t d = 0; d < D; ++d) dot += qg[d] * kj[d];
+        scratch[g * 16 + j] = dot;
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float* __restrict sg = scratch + g * 16;
+      float m_new = s.mx[g];
+      for (int64_t j = 0; j < nj; ++j) m_new = std::max(m_new, sg[j]);
+      const float alpha = std::exp(s.mx[g] - m_new);  // 0 on the first rows
+      float sum = 0.f;
+      for (int64_t j = 0; j < nj; ++j) {
+        sg[j] = std::exp(sg[j] - m_new);
+        sum += sg[j];
+      }
+      s.dn[g] = s.dn[g] * alpha + sum;
+      s.mx[g] = m_new;
+      float* __restrict a = s.acc + g * D;
+      for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
+    }
+    for (int64_t j = 0; j < nj; ++j) {  // each V row loaded once for the G heads
+      const float* __restrict vj = v + (j0 + j) * D;
+      for (int64_t g = 0; g < G; ++g) {
+        const float pj = scratch[g * 16 + j];
+        float* __restrict a = s.acc + g * D;
+        for (int64_t d = 0; d < D; ++d) a[d] += pj * vj[d];
+      }
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+// exp for x <= 0 (Cephes' expf: range reduction to [-ln2/2, ln2/2], a degree-6 polynomial,
+// then a scale by 2^n): relative error ~1e-7; inputs below -87 give ~1e-38 rather than 0.
+inline __m512 Exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Lane j = the sum of acc[j]'s 16 lanes: a transpose-and-add tree, 45 instructions instead of
+// 16 horizontal sums.
+inline __m512 Sum16(const __m512* acc) {
+  __m512 x[8];  // per 128-bit chunk: [a0+a2, b0+b2, a1+a3, b1+b3]
+  for (int i = 0; i < 8; ++i)
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(acc[2 * i], acc[2 * i + 1]), _mm512_unpackhi_ps(acc[2 * i], acc[2 * i + 1]));
+  __m512 y[4];  // per 128-bit chunk: that chunk's sums of four vectors, in order
+  for (int i = 0; i < 4; ++i)
+    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  __m512 z[2];  // add the 128-bit chunks pairwise, twice
+  for (int i = 0; i < 2; ++i)
+    z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// AttendGeneric with AVX-512 for D = 16 * DC. Rows are taken 16 at a time: 16 rows are *read*
+// from each chunk start even past n (the caller guarantees they exist and are finite), and the
+// scores past n are masked. The scores of a chunk are one vector, the softmax runs on it, and
+// the head's output stays in DC registers while the values are added.
+template <int DC>
+inline void AttendAvx512(const float* __restrict q, int64_t G, const float* __restrict k, const float* __restrict v,
+                         int64_t n, State s) {
+  constexpr int64_t D = 16 * DC;
+  alignas(64) float pb[16];
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t nj = std::min<int64_t>(16, n - j0);
+    const __mmask16 live = static_cast<__mmask16>((1u << nj) - 1);
+    const float* kc = k + j0 * D;
+    const float* vc = v + j0 * D;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * D;
+      __m512 qv[DC];
+      for (int c = 0; c < DC; ++c) qv[c] = _mm512_loadu_ps(qg + 16 * c);
+      __m512 part[16];
+      for (int j = 0; j < 16; ++j) {
+        part[j] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kc + j * D));
+        for (int c = 1; c < DC; ++c) part[j] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kc + j * D + 16 * c), part[j]);
+      }
+      const __m512 sc = _mm512_mask_blend_ps(live, _mm512_set1_ps(kNoScore), Sum16(part));
+      const float m_old = s.mx[g];
+      const float m_new = std::max(m_old, _mm512_reduce_max_ps(sc));
+      const __m512 p = _mm512_maskz_mov_ps(live, Exp512(_mm512_sub_ps(sc, _mm512_set1_ps(m_new))));
+      const float alpha = std::exp(m_old - m_new);
+      s.dn[g] = s.dn[g] * alpha + _mm512_reduce_add_ps(p);
+      s.mx[g] = m_new;
+      _mm512_store_ps(pb, p);
+      float* ag = s.acc + g * D;
+      const __m512 al = _mm512_set1_ps(alpha);
+      __m512 o[DC];
+      for (int c = 0; c < DC; ++c) o[c] = _mm512_mul_ps(_mm512_loadu_ps(ag + 16 * c), al);
+      for (int64_t j = 0; j < nj; ++j) {
+        const __m512 pj = _mm512_set1_ps(pb[j]);
+        for (int c = 0; c < DC; ++c) o[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vc + j * D + 16 * c), o[c]);
+      }
+      for (int c = 0; c < DC; ++c) _mm512_storeu_ps(ag + 16 * c, o[c]);
+    }
+  }
+}
+#endif
+
+// kD: the head dim when it is one the fast path is compiled for (64, 128), 0 otherwise.
+template <typename KV, int kD>
+class Kernel {
+ public:
+  Kernel(const Shapes& s, const float* q, const float* k_new, const float* v_new, const KV* k, const KV* v,
+         int64_t layer, const int32_t* tables, const int32_t* start, float* o)
+      : s_(s), q_(q), k_new_(k_new), v_new_(v_new), k_(k), v_(v), layer_(layer), tables_(tables), start_(start),
+        o_(o) {}
+
+  void Run(const Item& it) const {
+    const int64_t G = s_.G, BS = s_.BS, KVH = s_.KVH;
+    const int64_t D = kD ? kD : s_.D;
+    const int64_t n_tok = it.t1 - it.t0;
+    const int64_t ctx = start_[it.t0];
+    std::vector<float> mx(n_tok * G, kNoScore), dn(n_tok * G, 0.f), acc(n_tok * G * D, 0.f), qv(n_tok * G * D);
+    std::vector<float> scratch(G * 16);
+    auto state = [&](int64_t t) { return State{&mx[t * G], &dn[t * G], &acc[t * G * D]}; };
+    for (int64_t t = 0; t < n_tok; ++t)
+      std::memcpy(&qv[t * G * D], q_ + (((it.t0 + t) * KVH + it.h) * G) * D, G * D * sizeof(float));
+
+    // 1. the cached context, page by page
+    const int32_t* table = tables_ + it.t0 * s_.P;
+    const int64_t page_elems = BS * D;
+    const KV* k_head = k_ + ((layer_ * KVH + it.h) * s_.NB) * page_elems;
+    const KV* v_head = v_ + ((layer_ * KVH + it.h) * s_.NB) * page_elems;
+    std::vector<float> kbuf, vbuf;
+    if constexpr (!std::is_same_v<KV, float>) {
+      kbuf.resize(page_elems);
+      vbuf.resize(page_elems);
+    }
+    const int64_t n_pages = (ctx + BS - 1) / BS;
+    for (int64_t p = 0; p < n_pages; ++p) {
+      const int64_t n = std::min(BS, ctx - p * BS);
+      if (p + 1 < n_pages) {
+        // pages are scattered over the pool, so the hardware prefetcher cannot guess the next
+        // one: ask for all of it (into L2; measured faster than into L1, than spreading the
+        // requests over the compute, and than two pages ahead) while this one is worked on
+        const char* kn = reinterpret_cast<const char*>(k_head + static_cast<int64_t>(table[p + 1]) * page_elems);
+        const char* vn = reinterpret_cast<const char*>(v_head + static_cast<int64_t>(table[p + 1]) * page_elems);
+        const int64_t bytes = std::min(BS, ctx - (p + 1) * BS) * D * static_cast<int64_t>(sizeof(KV));
+        for (int64_t b = 0; b < bytes; b += 64) {
+          __builtin_prefetch(kn + b, 0, 2);
+          __builtin_prefetch(vn + b, 0, 2);
+        }
+      }
+      const KV* kp_raw = k_head + static_cast<int64_t>(table[p]) * page_elems;
+      const KV* vp_raw = v_head + static_cast<int64_t>(table[p]) * page_elems;
+      const float* kp;
+      const float* vp;
+      if constexpr (std::is_same_v<KV, float>) {
+        kp = kp_raw;
+        vp = vp_raw;
+      } else {
+        // whole page: the fast path reads 16 rows from each chunk start
+        for (int64_t i = 0; i < page_elems; ++i) kbuf[i] = Bf16ToF32(kp_raw[i]);
+        for (int64_t i = 0; i < page_elems; ++i) vbuf[i] = Bf16ToF32(vp_raw[i]);
+        kp = kbuf.data();
+        vp = vbuf.data();
+      }
+      for (int64_t t = 0; t < n_tok; ++t) Attend(&qv[t * G * D], kp, vp, n, BS % 16 == 0, state(t), scratch.data());
+    }
+
+    // 2. this step's own keys of the row, up to each token: copied into contiguous rows,
+    // padded to a multiple of 16 with zeros for the fast path
+    const int64_t n_new = it.t1 - it.row_first;
+    const int64_t padded = (n_new + 15) / 16 * 16;
+    std::vector<float> kr(padded * D, 0.f), vr(padded * D, 0.f);
+    for (int64_t u = 0; u < n_new; ++u) {
+      std::memcpy(&kr[u * D], k_new_ + ((it.row_first + u) * KVH + it.h) * D, D * sizeof(float));
+      std::memcpy(&vr[u * D], v_new_ + ((it.row_first + u) * KVH + it.h) * D, D * sizeof(float));
+    }
+    for (int64_t t = 0; t < n_tok; ++t)
+      Attend(&qv[t * G * D], kr.data(), vr.data(), it.t0 + t - it.row_first + 1, true, state(t), scratch.data());
+
+    // 3. normalise: every token attends at least to itself, so dn > 0
+    for (int64_t t = 0; t < n_tok; ++t) {
+      float* out = o_ + ((it.t0 + t) * KVH + it.h) * G * D;
+      for (int64_t g = 0; g < G; ++g) {
+        const float inv = 1.f / dn[t * G + g];
+        for (int64_t d = 0; d < D; ++d) out[g * D + d] = acc[(t * G + g) * D + d] * inv;
+      }
+    }
+  }
+
+ private:
+  // rows_padded: 16 rows can be read from every chunk start
+  void Attend(const float* q, const float* k, const float* v, int64_t n, bool rows_padded, State s,
+              float* scratch) const {
+#if defined(__AVX512F__)
+    if constexpr (kD % 16 == 0 && kD > 0) {
+      if (rows_padded) return AttendAvx512<kD / 16>(q, s_.G, k, v, n, s);
+    }
+#endif
+    AttendGeneric(q, s_.G, kD ? kD : s_.D, k, v, n, s, scratch);
+  }
+
+  Shapes s_;
+  const float* q_;
+  const float* k_new_;
+  const float* v_new_;
+  const KV* k_;
+  const KV* v_;
+  int64_t layer_;
+  const int32_t* tables_;
+  const int32_t* start_;
+  float* o_;
+};
+
+template <typename KV>
+std::function<void(const Item&)> MakeRun(const Shapes& s, const float* q, const float* k_new, const float* v_new,
+                                         const KV* k, const KV* v, int64_t layer, const int32_t* tables,
+                                         const int32_t* start, float* o) {
+  auto wrap = [](auto kern) { return [kern](const Item& it) { kern->Run(it); }; };
+  if (s.D == 64) return wrap(std::make_shared<Kernel<KV, 64>>(s, q, k_new, v_new, k, v, layer, tables, start, o));
+  if (s.D == 128) return wrap(std::make_shared<Kernel<KV, 128>>(s, q, k_new, v_new, k, v, layer, tables, start, o));
+  return wrap(std::make_shared<Kernel<KV, 0>>(s, q, k_new, v_new, k, v, layer, tables, start, o));
+}
+
+// Work shared between the calling thread and pool tasks. Held by shared_ptr: a task the pool
+// starts only after the caller has finished every item finds nothing left and touches nothing
+// but this.
+struct Shared {
+  std::vector<Item> items;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::function<void(const Item&)> run;
+
+  void Work() {
+    const int64_t n = static_cast<int64_t>(items.size());
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
+      run(items[i]);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,
+                ffi::Buffer<ffi::F32> v_new, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> layer_buf,
+                ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> seq, ffi::Buffer<ffi::S32> start,
+                ffi::ResultBuffer<ffi::F32> o) {
+  auto qd = q.dimensions();
+  auto kd = k.dimensions();
+  auto nd = k_new.dimensions();
+  auto td = tables.dimensions();
+  if (qd.size() != 4 || kd.size() != 5 || td.size() != 2 || nd.size() != 3)
+    return ffi::Error::InvalidArgument(
+        "cpu attention: q must be [T, KVH, G, D], k_new/v_new [T, KVH, D], the pool [L, KVH, NB, BS, D], "
+        "tables [T, P]");
+  const Shapes s{qd[0], qd[1], qd[2], qd[3], kd[0], kd[2], kd[3], td[1]};
+  const auto vd = v.dimensions();
+  const auto vnd = v_new.dimensions();
+  if (kd[1] != s.KVH || kd[4] != s.D || td[0] != s.T || nd[0] != s.T || nd[1] != s.KVH || nd[2] != s.D ||
+      !std::equal(nd.begin(), nd.end(), vnd.begin(), vnd.end()) || !std::equal(kd.begin(), kd.end(), vd.begin(), vd.end()) ||
+      seq.element_count() != static_cast<size_t>(s.T) || start.element_count() != static_cast<size_t>(s.T) ||
+      k.element_type() != v.element_type())
+    return ffi::Error::InvalidArgument("cpu attention: q, k_new, v_new, pool, tables, seq and start disagree in shape "
+                                       "or dtype");
+  if (k.element_type() != ffi::DataType::F32 && k.element_type() != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("cpu attention: the pool must be float32 or bfloat16");
+  const int64_t layer = layer_buf.typed_data()[0];
+  if (layer < 0 || layer >= s.L)
+    return ffi::Error::InvalidArgument("cpu attention: layer " + std::to_string(layer) + " outside [0, " +
+                                       std::to_string(s.L) + ")");
+
+  const int32_t* sq = seq.typed_data();
+  const int32_t* st = start.typed_data();
+  const int32_t* tab = tables.typed_data();
+  float* op = o->typed_data();
+  const int64_t tok_elems = s.KVH * s.G * s.D;
+
+  // Work items: runs of tokens of one row, split into groups, times the kv heads. Everything
+  // the kernel will index is checked here first.
+  auto shared = std::make_shared<Shared>();
+  for (int64_t t = 0; t < s.T;) {
+    if (sq[t] < 0) {
+      std::fill(op + t * tok_elems, op + (t + 1) * tok_elems, 0.f);
+      ++t;
+      continue;
+    }
+    int64_t end = t + 1;
+    while (end < s.T && sq[end] == sq[t]) ++end;
+    for (int64_t u = t; u < end; ++u)
+      if (st[u] != st[t])
+        return ffi::Error::InvalidArgument("cpu attention: tokens " + std::to_string(t) + " and " + std::to_string(u) +
+                                           " of one row disagree on its cached length");
+    if (st[t] < 0 || st[t] > s.P * s.BS)
+      return ffi::Error::InvalidArgument("cpu attention: token " + std::to_string(t) + " has " +
+                                         std::to_string(st[t]) + " cached positions, outside [0, " +
+                                         std::to_string(s.P * s.BS) + "] (its block table's capacity)");
+    const int64_t n_pages = (st[t] + s.BS - 1) / s.BS;
+    for (int64_t u = t; u < end; ++u)
+      for (int64_t p = 0; p < n_pages; ++p)
+        if (tab[u * s.P + p] < 0 || tab[u * s.P + p] >= s.NB)
+          return ffi::Error::InvalidArgument("cpu attention: block " + std::to_string(tab[u * s.P + p]) +
+                                             " outside the pool [0, " + std::to_string(s.NB) + ")");
+    for (int64_t g0 = t; g0 < end; g0 += kGroupTokens)
+      for (int64_t h = 0; h < s.KVH; ++h) shared->items.push_back({g0, std::min(end, g0 + kGroupTokens), t, h});
+    t = end;
+  }
+  if (shared->items.empty()) return ffi::Error::Success();
+  // the most work first, so the last items to finish are short ones
+  auto cost = [&](const Item& a) { return (st[a.t0] + a.t1 - a.row_first) * (a.t1 - a.t0); };
+  std::stable_sort(shared->items.begin(), shared->items.end(),
+                   [&](const Item& a, const Item& b) { return cost(a) > cost(b); });
+
+  if (k.element_type() == ffi::DataType::F32)
+    shared->run = MakeRun<float>(s, q.typed_data(), k_new.typed_data(), v_new.typed_data(), k.typed_data<float>(),
+                                 v.typed_data<float>(), layer, tab, st, op);
+  else
+    shared->run = MakeRun<uint16_t>(s, q.typed_data(), k_new.typed_data(), v_new.typed_data(),
+                                    static_cast<const uint16_t*>(k.untyped_data()),
+                                    static_cast<const uint16_t*>(v.untyped_data()), layer, tab, st, op);
+
+  const int64_t n_items = static_cast<int64_t>(shared->items.size());
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n_items) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { shared->Work(); });
+  shared->Work();
+  // items other threads claimed may still be running
+  while (shared->done.load(std::memory_order_acquire) < n_items) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxCpuAttention, Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_new
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_new
+                                  .Arg<ffi::AnyBuffer>()         // k pool
+                                  .Arg<ffi::AnyBuffer>()         // v pool
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // seq
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // start
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // o
+);

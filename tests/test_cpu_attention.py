@@ -1,0 +1,140 @@
+"""The CPU path's attention against the pure-jnp ragged reference, both versions:
+`xla_attention` (`context_attention` + `split_attention` in XLA ops, the "reference" backend)
+and `pagedjax.native.attention` (one C++ call, the "native" backend).
+
+Ragged batches reach every branch: tokens of fresh prompts (no cached context), decode tokens,
+prefill chunks after cached context that fill whole 16-token tiles (the XLA one-row branch) or
+share tiles with other rows (its per-token branch), padding rows and tokens, block sizes from 1
+to 32 and contexts ending on and off page and chunk edges. The native kernel is also run with
+head dim 64 (its AVX-512 path, where the CPU has it) and a bfloat16 pool."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import require_native
+from pagedjax import native
+from pagedjax.model.llama import AttentionMetadata, token_layout, write_kv, xla_attention
+from pagedjax.pallas.reference import ragged_paged_attention_reference
+
+KVH, G = 2, 3
+
+
+def make_batch(rng, rows, block_size, T, S, P, num_blocks, D):
+    """rows: [(cached, new)] per sequence. Returns the pool holding random cached K/V (and NaN-free
+    garbage elsewhere), the step's q/k/v, and the metadata, padded to T tokens, S rows, P pages."""
+    assert sum(n for _, n in rows) <= T and len(rows) <= S
+    k_pool = rng.standard_normal((1, KVH, num_blocks, block_size, D)).astype(np.float32)
+    v_pool = rng.standard_normal((1, KVH, num_blocks, block_size, D)).astype(np.float32)
+    free = list(rng.permutation(np.arange(1, num_blocks)))
+    tables = np.zeros((S, P), np.int32)
+    qsl = np.zeros(S + 1, np.int32)
+    lens = np.zeros(S, np.int32)
+    slots = np.full(T, -1, np.int32)
+    t = 0
+    for s, (cached, new) in enumerate(rows):
+        n_pages = -(-(cached + new) // block_size)
+        tables[s, :n_pages] = [free.pop() for _ in range(n_pages)]
+        lens[s] = cached + new
+        for i in range(new):
+            p = cached + i
+            slots[t + i] = tables[s, p // block_size] * block_size + p % block_size
+        t += new
+        qsl[s + 1] = t
+    qsl[len(rows) + 1:] = t
+    attn = AttentionMetadata(jnp.asarray(slots), jnp.asarray(tables), jnp.asarray(lens), jnp.asarray(qsl),
+                             jnp.int32(len(rows)))
+    q = jnp.asarray(rng.standard_normal((T, KVH * G, D)).astype(np.float32))
+    k = jnp.asarray(rng.standard_normal((T, KVH, D)).astype(np.float32))
+    v = jnp.asarray(rng.standard_normal((T, KVH, D)).astype(np.float32))
+    return (jnp.asarray(k_pool), jnp.asarray(v_pool)), q, k, v, attn
+
+
+def cpu_path(attention_fn):
+    @jax.jit
+    def run(q, k, v, pool, attn):
+        k_pool, v_pool = pool
+        T, _, D = q.shape
+        layout = token_layout(attn, T)
+        qg = q.reshape(T, KVH, G, D) * D ** -0.5
+        o = attention_fn(qg, k, v, k_pool, v_pool, jnp.int32(0), attn.block_tables[layout.seq], layout)
+        return o, layout.valid
+
+    return run
+
+
+IMPLS = {"xla": cpu_path(xla_attention), "native": cpu_path(native.attention)}
+
+
+@jax.jit
+def reference(q, k, v, pool, attn):
+    k_pool, v_pool = (write_kv(c.astype(jnp.float32), x[None], attn.slot_mapping)[0] for c, x in zip(pool, (k, v)))
+    return ragged_paged_attention_reference(q, k_pool, v_pool, attn.block_tables, attn.context_lens,
+                                            attn.query_start_loc, attn.num_seqs)
+
+
+CASES = {
+    # (cached, new) per row
+    "decode only": [(c, 1) for c in (1, 5, 16, 17, 31, 32, 33, 64, 100, 7)],
+    "fresh prompts only": [(0, 20), (0, 1), (0, 16), (0, 9)],
+    "one long chunk after context (one-row tiles)": [(70, 48)],
+    "chunks sharing tiles": [(40, 5), (3, 7), (0, 6), (90, 13), (16, 16), (1, 1)],
+    "mixed step": [(50, 1), (0, 24), (33, 1), (120, 20), (0, 3), (15, 1), (64, 1)],
+}
+VARIANTS = {  # impl, head dim, pool dtype
+    "xla": ("xla", 16, jnp.float32),
+    "native": ("native", 16, jnp.float32),
+    "native-d64": ("native", 64, jnp.float32),
+    "native-d64-bf16": ("native", 64, jnp.bfloat16),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("block_size", [1, 4, 16, 32])
+@pytest.mark.parametrize("case", list(CASES))
+def test_cpu_attention_matches_reference(case, block_size, variant):
+    impl, D, dtype = VARIANTS[variant]
+    if impl == "native":
+        require_native()
+    rows = CASES[case]
+    rng = np.random.default_rng(hash((case, block_size)) % 2**32)
+    T = -(-sum(n for _, n in rows) // 8) * 8 + 8            # padding tokens at the end
+    S = len(rows) + 2                                        # padding rows
+    P = -(-max(c + n for c, n in rows) // block_size) + 1    # one spare table column
+    pool, q, k, v, attn = make_batch(rng, rows, block_size, T, S, P, S * P + 2, D)
+    pool = tuple(c.astype(dtype) for c in pool)
+    got, valid = IMPLS[impl](q, k, v, pool, attn)
+    want = reference(q, k, v, pool, attn)
+    valid = np.asarray(valid)
+    assert valid.sum() == sum(n for _, n in rows)
+    np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], rtol=2e-5, atol=2e-5)
+    assert np.all(np.isfinite(np.asarray(got)))
+    if impl == "native":
+        assert np.all(np.asarray(got)[~valid] == 0)
+
+
+@pytest.mark.parametrize("D", [16, 64])
+def test_native_matches_xla_on_a_long_prefill_chunk(D):
+    """A 200-token chunk after 300 cached tokens, next to decodes: many 8-token groups of one row,
+    causal runs longer than 16 keys, in both kernels."""
+    require_native()
+    rows = [(300, 200), (45, 1), (0, 37), (129, 1)]
+    rng = np.random.default_rng(7)
+    pool, q, k, v, attn = make_batch(rng, rows, 16, 248, 5, 33, 5 * 33 + 2, D)
+    got, valid = IMPLS["native"](q, k, v, pool, attn)
+    want, _ = IMPLS["xla"](q, k, v, pool, attn)
+    valid = np.asarray(valid)
+    np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], rtol=2e-5, atol=2e-5)
+
+
+def test_native_rejects_a_block_outside_the_pool():
+    """Indices the kernel would read are checked before it reads: an error, not a crash."""
+    require_native()
+    rng = np.random.default_rng(0)
+    pool, q, k, v, attn = make_batch(rng, [(20, 1)], 16, 8, 2, 4, 6, 16)
+    attn = attn._replace(block_tables=attn.block_tables.at[0, 1].set(99))
+    with pytest.raises(Exception, match=r"block 99 outside the pool \[0, 6\)"):
+        jax.block_until_ready(IMPLS["native"](q, k, v, pool, attn))
