@@ -40,7 +40,7 @@ from pagedjax import native, parallel
 from pagedjax.config import EngineConfig
 from pagedjax.model.llama import (AttentionMetadata, ModelConfig, compute_logits, forward, forward_split,
                                   init_kv_cache, xla_attention)
-from pagedjax.sampling import sample
+from pagedjax.sampling import greedy, resample
 from pagedjax.scheduler.batch import StepInput
 from pagedjax.scheduler.scheduler import SchedulerOutput
 
@@ -127,9 +127,23 @@ def _step_fn(params, kv_cache, a, *, cfg, backend, num_logprobs, logits_hook, me
         logits = logits_hook(logits, a)
     finite = jnp.all(jnp.isfinite(logits), axis=-1)
     safe = jnp.where(finite[:, None], logits, 0.0)
-    tokens, logprob, top_ids, top_lps = sample(safe, a["temperature"], a["top_k"], a["top_p"], a["min_p"],
-                                               a["seeds"], a["sample_positions"], num_logprobs)
-    return (tokens, logprob, top_ids, top_lps, finite), kv_cache
+    tokens, logprob, lse, top_ids, top_lps = greedy(safe, num_logprobs)
+    # the logits stay on the device for `_resample_fn`, which runs only when a row samples
+    return (tokens, logprob, top_ids, top_lps, finite), (logits, lse), kv_cache
+
+
+@jax.jit
+def _resample_fn(logits, lse, finite, tokens, a):
+    """The step's rows with temperature > 0 sampled from its logits (the others keep their
+    greedy token): a second call, because inside the step it cost every step ~5 ms (see
+    `pagedjax.sampling.sample`). One compilation per row bucket S."""
+    _trace()
+    safe = jnp.where(finite[:, None], logits, 0.0)
+    return resample(safe, lse, tokens, a["temperature"], a["top_k"], a["top_p"], a["min_p"], a["seeds"],
+                    a["sample_positions"])
+
+
+SAMPLING_INPUTS = ("temperature", "top_k", "top_p", "min_p", "seeds", "sample_positions")
 
 
 @functools.partial(jax.jit, static_argnames=("mesh",), donate_argnums=(0,))
@@ -213,7 +227,10 @@ class ModelRunner:
         arrays = {k: np.copy(v) for k, v in step.device_arrays().items()}  # buffers are reused next step
         n_before = self.num_compilations
         t0 = time.perf_counter()
-        results, self.kv_cache = self._step(self.params, self.kv_cache, self._inputs(arrays))
+        inputs = self._inputs(arrays)
+        results, logits, self.kv_cache = self._step(self.params, self.kv_cache, inputs)
+        if np.any(arrays["temperature"] > 0):
+            results = self._resample(results, logits, inputs)
         if out.block_copies_after:
             # contiguous forks copy blocks the step itself has just filled
             self.copy_blocks(out.block_copies_after)
@@ -223,6 +240,12 @@ class ModelRunner:
             logger.info("compiled the step for bucket %s (%d compilations so far)", step.bucket, self.num_compilations)
         R = out.num_rows
         return tokens[:R], logprob[:R], top_ids[:R], top_lps[:R], ~finite[:R]
+
+    @staticmethod
+    def _resample(results, logits, inputs):
+        tokens, logprob, top_ids, top_lps, finite = results
+        tokens, logprob = _resample_fn(*logits, finite, tokens, {k: inputs[k] for k in SAMPLING_INPUTS})
+        return tokens, logprob, top_ids, top_lps, finite
 
     # -- block moves -----------------------------------------------------------------------------
     @staticmethod
@@ -271,9 +294,13 @@ class ModelRunner:
     def warmup(self, buckets, *, with_copies: bool = True) -> float:
         """Compile every (T, S, P) bucket and the block-move functions; returns seconds spent."""
         t0 = time.perf_counter()
+        sampled_rows = set()
         for T, S, P in buckets:
             arrays = self._inputs(self.dummy_step_arrays(T, S, P))
-            results, self.kv_cache = self._step(self.params, self.kv_cache, arrays)
+            results, logits, self.kv_cache = self._step(self.params, self.kv_cache, arrays)
+            if S not in sampled_rows:  # the sampler compiles once per row bucket
+                sampled_rows.add(S)
+                results = self._resample(results, logits, arrays)
             jax.block_until_ready(results)
         if with_copies:
             for C in COPY_BUCKETS:
