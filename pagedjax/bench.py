@@ -611,14 +611,23 @@ def engine_kwargs(*, max_num_seqs: int, max_model_len: int, block_size: int = 16
     contiguous baseline is memory-bound while paging fits every seat), a token budget of
     4 tokens per seat (at least 128), one decode shape (T = max_num_seqs: every decode step
     costs the same however many seats are live, the cost model the ideal ratio counts in), and
-    block-table widths covering 128, 256, 512 and max_model_len tokens of context."""
+    block-table widths covering 128, 256, 512 and max_model_len tokens of context.
+
+    Token buckets go up in steps of 16 for 96 tokens above the decode shape, then double (vLLM
+    pads to multiples of 8 for its CUDA graphs): a step of 31 decodes and a 40-token prompt is
+    padded to 80 tokens, not 128. On the 2-core CPU, where a step's matmuls cost what its
+    padded token count costs, that took the mixed workload's continuous/static ratio from 0.77
+    and 0.88 of the ideal to 0.85 and 0.90 in runs side by side (warm-up 19 s instead of 9 s)."""
     from pagedjax.config import pow2_buckets
 
     max_blocks = -(-max_model_len // block_size)
     mnbt = max_num_batched_tokens or max(128, 4 * max_num_seqs)
+    lo = min(max_num_seqs, mnbt)
+    fine = tuple(range(lo, min(mnbt, lo + 96) + 1, 16))
+    default_tokens = tuple(sorted(set(fine + pow2_buckets(fine[-1], mnbt))))
     return dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size,
                 num_blocks=num_blocks or reservations * max_blocks + 1, max_num_batched_tokens=mnbt,
-                token_buckets=tuple(token_buckets or pow2_buckets(min(max_num_seqs, mnbt), mnbt)),
+                token_buckets=tuple(token_buckets or default_tokens),
                 page_buckets=tuple(page_buckets or context_page_buckets(
                     block_size, [c for c in (128, 256, 512) if c < max_model_len] + [max_model_len])))
 

@@ -17,6 +17,7 @@ import pytest
 
 from engine_helpers import (SMALL, TINY_HF, assert_pool_clean, hf_beam, hf_greedy, hf_logprobs, ids, make_tiny_hf,
                             num_chunked_rows, recording_schedules)
+from helpers import require_native
 from pagedjax import LLM, SamplingParams
 from pagedjax.engine import BeamSearchParams, ByteTokenizer
 
@@ -98,10 +99,12 @@ def parity_case(hf_tiny):
     return prompts, [hf_greedy(hf, p, 32) for p in prompts]
 
 
-@pytest.mark.parametrize("backend", ["reference", "pallas"])
+@pytest.mark.parametrize("backend", ["reference", "native", "pallas"])
 def test_greedy_matches_hf_generate(tiny_llm, parity_case, backend):
     """8 prompts of different lengths run together, prefills chunked to the 32-token budget and
     mixed with decodes: 32 greedy tokens each, identical to HF generate."""
+    if backend == "native":
+        require_native()
     prompts, expected = parity_case
     assert len({tuple(e[:8]) for e in expected}) == 8 and all(len(set(e)) > 8 for e in expected)  # not degenerate
     llm = tiny_llm(backend)
