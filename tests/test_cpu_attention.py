@@ -138,3 +138,24 @@ def test_native_rejects_a_block_outside_the_pool():
     attn = attn._replace(block_tables=attn.block_tables.at[0, 1].set(99))
     with pytest.raises(Exception, match=r"block 99 outside the pool \[0, 6\)"):
         jax.block_until_ready(IMPLS["native"](q, k, v, pool, attn))
+
+
+def test_backend_choice_when_the_kernel_cannot_be_built(monkeypatch):
+    """No compiler: "auto" falls back to the XLA attention and an explicit "native" says why;
+    with tensor parallelism "auto" keeps the XLA attention and "native" is refused."""
+    from pagedjax.runner import resolve_backend
+
+    monkeypatch.setattr(native, "compiler", lambda: None)
+    native._register.cache_clear()
+    try:
+        assert not native.available()
+        assert "no C++ compiler" in native.unavailable_reason()
+        assert resolve_backend("auto") == "reference"
+        with pytest.raises(ValueError, match=r"attention_backend='native'.*no C\+\+ compiler"):
+            resolve_backend("native")
+    finally:
+        native._register.cache_clear()
+    monkeypatch.undo()
+    assert resolve_backend("auto", tensor_parallel_size=2) == "reference"
+    with pytest.raises(ValueError, match=r"attention_backend='native' needs tensor_parallel_size 1, got 2"):
+        resolve_backend("native", tensor_parallel_size=2)
