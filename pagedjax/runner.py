@@ -10,8 +10,8 @@ after `warmup()` has compiled every bucket, requests joining and leaving never c
 Attention backends:
   "reference"  the pool is read inside the layer loop (only the pages each token needs) and the
                step's K/V are written once after it (`forward_split`), all in XLA ops.
-  "native"     the same split step, with the cached-context attention in a C++ kernel called
-               through jax.ffi (pagedjax/native): the fast path on a CPU.
+  "native"     the same split step, with each layer's attention (cached pages and the step's own
+               K/V) one C++ call through jax.ffi (pagedjax/native): the fast path on a CPU.
   "pallas"     each layer writes its K/V into the pool, then every token (prefill chunks and
                decodes) goes through the ragged Pallas kernel. In interpret mode on a CPU.
   "auto"       "native" on CPU ("reference" if it cannot be built, or with tensor parallelism),

@@ -10,7 +10,7 @@ The source is compiled once per machine with the C++ compiler found as `$CXX`, e
 `c++`, against the XLA FFI headers jaxlib ships (`jax.ffi.include_dir()`), with `-march=native`:
 the library is tied to this CPU and this jaxlib, so it lives in the cache directory
 (`$PAGEDJAX_CACHE`, else ~/.cache/pagedjax) under a name hashed from the source, the flags, the
-jaxlib version and the compiler, never in the repository. If no compiler is found or the build
+jaxlib version, the compiler and the CPU's feature flags, never in the repository. If no compiler is found or the build
 fails, `available()` says why and "auto" falls back to the XLA ops.
 """
 
@@ -58,10 +58,20 @@ def _library_path(cxx: str) -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     key = hashlib.sha256()
     for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), _jaxlib_version().encode(), "".join(version).encode(),
-                 platform.machine().encode()):
+                 platform.machine().encode(), _cpu_features().encode()):
         key.update(part)
         key.update(b"\0")
     return cache_dir() / "native" / f"{SOURCE.stem}-{key.hexdigest()[:16]}.so"
+
+
+def _cpu_features() -> str:
+    """What -march=native compiles for: a cache directory shared between machines (a network
+    home) must not hand an AVX-512 build to a CPU without it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.processor()
 
 
 def _jaxlib_version() -> str:
