@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 # The main job: SmolLM2-135M on a mixed workload, continuous vs static vs contiguous vs HF
-# (about 5 minutes on 2 CPU cores), then the fragmentation study and the timeline sandbox.
+# (about 9 minutes on 2 CPU cores), then the fragmentation study and the timeline sandbox.
 run: $(STAMP)
 	$(PY) scripts/bench_serving.py
 	$(PY) scripts/fragmentation.py

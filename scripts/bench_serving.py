@@ -2,18 +2,20 @@
 reservation (all the same pagedjax engine, the same KV memory) and Hugging Face transformers'
 `generate`, with vLLM's `bench serve` metrics. The logic lives in pagedjax/bench.py.
 
-    python scripts/bench_serving.py                     # what `make run` runs (~5 min on 2 CPU cores)
-    python scripts/bench_serving.py --quick             # a small version of the same (~3 min)
+    python scripts/bench_serving.py                     # what `make run` runs (~9 min on 2 CPU cores)
+    python scripts/bench_serving.py --quick             # a small version of the same, one run each (~3 min)
     python scripts/bench_serving.py --workloads mixed --systems continuous,static --num-requests 128
     python scripts/bench_serving.py --workloads random --random-input-len 128 --random-output-len 64
     python scripts/bench_serving.py --request-rate 4    # Poisson arrivals instead of all at once
 
 Default workloads and systems: mixed (continuous, static, contiguous, hf), similar (continuous,
 static), shared-prefix with a 512-token system prompt (continuous with prefix caching on and off);
-then the capacity study at full scale (no model). Writes results/<name>.json and PNGs:
-<name>_<workload>_occupancy.png (static and continuous seat timelines, first 200 steps),
-<name>_<workload>_kv.png (KV use, KV utilization and running requests over time) and
-<name>_<workload>_latency_cdf.png (TTFT, TPOT, ITL and e2e CDFs per system).
+then the capacity study at full scale (no model). Each engine system runs 3 times per workload,
+interleaved with the others (--repeats); the tables show each system's median run and the report
+lists every run, since other tenants' load on a shared machine moves a single run by 5-10 %.
+Writes results/<name>.json and PNGs: <name>_<workload>_occupancy.png (static and continuous seat
+timelines, first 200 steps), <name>_<workload>_kv.png (KV use, KV utilization and running requests
+over time) and <name>_<workload>_latency_cdf.png (TTFT, TPOT, ITL and e2e CDFs per system).
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ def parse_args(argv=None):
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--token-buckets", type=lambda s: tuple(int(x) for x in s.split(",")), default=None)
     p.add_argument("--page-buckets", type=lambda s: tuple(int(x) for x in s.split(",")), default=None)
+    p.add_argument("--repeats", type=int, default=None,
+                   help="runs of each engine system per workload, interleaved; each system is reported by its "
+                        "median run (default 3, 1 with --quick; hf always runs once)")
     p.add_argument("--no-capacity", action="store_true", help="skip the full-scale capacity study (sim)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--name", default="bench_serving", help="results/<name>.json and results/<name>_*.png")
@@ -81,7 +86,8 @@ def main(argv=None) -> int:
     report = bench.run_serving(args.model, workloads=workloads, systems=systems, num_requests=args.num_requests,
                                max_num_seqs=args.max_num_seqs, request_rate=args.request_rate, seed=args.seed,
                                quick=args.quick, knobs=knobs, engine_overrides=overrides,
-                               progress=not args.no_progress, capacity=not args.no_capacity)
+                               progress=not args.no_progress, capacity=not args.no_capacity,
+                               repeats=args.repeats or (1 if args.quick else 3))
     report["command"] = " ".join(["python", "scripts/bench_serving.py", *sys.argv[1:]])
     report["date"] = datetime.datetime.now().isoformat(timespec="seconds")
     report["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),

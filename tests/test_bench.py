@@ -308,3 +308,51 @@ def test_ablate_block_size_runs_one_engine_per_block_size_on_weights_loaded_once
     rows = {r["block_size"]: r for r in report["rows"]}
     assert set(rows) == {8, 16}
     assert all(r["engine_steps"] > 0 and r["compilations_after_warmup"] == 0 for r in rows.values()), rows
+
+
+def _result(system, tok_s, compilations=0):
+    return bench.SystemResult(system, "w", {"output_throughput": tok_s, "compilations": compilations}, [], 0.0)
+
+
+def test_median_run_and_repeat_summary():
+    runs = {"continuous": [_result("continuous", x) for x in (30.0, 10.0, 20.0)],
+            "static": [_result("static", x, c) for x, c in ((10.0, 0), (20.0, 2), (5.0, 0))]}
+    assert bench.median_run(runs["continuous"]).summary["output_throughput"] == 20.0
+    assert bench.median_run(runs["static"][:2]).summary["output_throughput"] == 10.0   # lower middle
+    rep = bench.repeat_summary(runs)
+    assert rep["n"] == 3
+    assert rep["output_throughput"]["static"] == [10.0, 20.0, 5.0]
+    assert rep["continuous_over_static"] == [3.0, 0.5, 4.0]      # pairs of one repeat, not medians
+    assert rep["compilations"]["static"] == [0, 2, 0]
+    # a compilation in any run fails the target, not only in the median one
+    report = {"workloads": {"mixed": {"systems": {"static": {"summary": {"compilations": 0}}}, "ratios": {},
+                                      "repeats": rep}}}
+    t = [x for x in bench.check_targets(report) if "compilations" in x["target"]][0]
+    assert (t["value"], t["met"]) == (2, False)
+
+
+def test_repeats_interleave_the_systems_and_report_the_median(monkeypatch):
+    order = []
+    original = bench.EngineBench.run
+
+    def recording(self, system, requests, **kw):
+        order.append(system)
+        return original(self, system, requests, **kw)
+
+    monkeypatch.setattr(bench.EngineBench, "run", recording)
+    report = bench.run_serving("tiny-random", workloads=("similar",), systems=("continuous", "static"),
+                               num_requests=10, max_num_seqs=4, repeats=3, progress=False, capacity=False,
+                               log=lambda s: None, knobs={"similar": dict(prompt_range=(4, 8), output_range=(3, 6))},
+                               engine_overrides=dict(max_num_batched_tokens=16, page_buckets=(4, 32), reservations=4))
+    assert order == ["continuous", "static"] * 3
+    entry = report["workloads"]["similar"]
+    rep = entry["repeats"]
+    assert rep["n"] == 3 and len(rep["continuous_over_static"]) == 3
+    for system in ("continuous", "static"):
+        xs = sorted(rep["output_throughput"][system])
+        assert entry["systems"][system]["summary"]["output_throughput"] == xs[1]
+        assert rep["compilations"][system] == [0, 0, 0]
+    text = bench.format_report(report)
+    assert "3 interleaved runs per engine system" in text and "continuous/static per repeat" in text
+    with pytest.raises(ValueError, match="repeats"):
+        bench.run_serving("tiny-random", workloads=("similar",), repeats=0, log=lambda s: None)
