@@ -87,7 +87,7 @@ def main(argv=None) -> int:
                                max_num_seqs=args.max_num_seqs, request_rate=args.request_rate, seed=args.seed,
                                quick=args.quick, knobs=knobs, engine_overrides=overrides,
                                progress=not args.no_progress, capacity=not args.no_capacity,
-                               repeats=args.repeats or (1 if args.quick else 3))
+                               repeats=(1 if args.quick else 3) if args.repeats is None else args.repeats)
     report["command"] = " ".join(["python", "scripts/bench_serving.py", *sys.argv[1:]])
     report["date"] = datetime.datetime.now().isoformat(timespec="seconds")
     report["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
