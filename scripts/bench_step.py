@@ -124,14 +124,21 @@ def main() -> int:
     args = ap.parse_args()
     rows = []
     max_b = max(args.batch)
+    for name in ("context", "steps"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if min(args.batch) < 1:
+        ap.error(f"--batch sizes must be >= 1, got {args.batch}")
     # buckets: each measured batch size is a token bucket of its own (no padded rows), 256-token
-    # prefill chunks, and block tables up to 32 pages (512 tokens): contexts here stay near --context
+    # prefill chunks, and block tables up to 32 pages (512 tokens), or as many as a request can
+    # reach: the first requests decode while the others prefill, then the timed steps
     budget = 256
-    max_model_len = 512
+    reach = args.context + -(-max_b * args.context // budget) + args.steps + 16
+    max_model_len = max(512, -(-reach // 128) * 128)
     eng = LLMEngine(args.model, dtype=args.dtype, max_num_seqs=max_b, max_num_batched_tokens=budget,
                     max_model_len=max_model_len, attention_backend=args.attention_backend, enable_prefix_caching=False,
                     token_buckets=tuple(sorted(set(args.batch) | {budget})), seq_buckets=tuple(sorted(set(args.batch))),
-                    page_buckets=(8, 16, 32))
+                    page_buckets=tuple(sorted({8, 16, 32, max_model_len // 16})))
     t0 = time.perf_counter()
     buckets = eng.buckets()
     warm = eng.warmup()
