@@ -128,17 +128,17 @@ def _step_fn(params, kv_cache, a, *, cfg, backend, num_logprobs, logits_hook, me
     finite = jnp.all(jnp.isfinite(logits), axis=-1)
     safe = jnp.where(finite[:, None], logits, 0.0)
     tokens, logprob, lse, top_ids, top_lps = greedy(safe, num_logprobs)
-    # the logits stay on the device for `_resample_fn`, which runs only when a row samples
-    return (tokens, logprob, top_ids, top_lps, finite), (logits, lse), kv_cache
+    # the (masked) logits stay on the device for `_resample_fn`, which runs only when a row samples
+    return (tokens, logprob, top_ids, top_lps, finite), (safe, lse), kv_cache
 
 
 @jax.jit
-def _resample_fn(logits, lse, finite, tokens, a):
-    """The step's rows with temperature > 0 sampled from its logits (the others keep their
-    greedy token): a second call, because inside the step it cost every step ~5 ms (see
-    `pagedjax.sampling.sample`). One compilation per row bucket S."""
+def _resample_fn(safe, lse, tokens, a):
+    """The step's rows with temperature > 0 sampled from its logits (non-finite rows already
+    zeroed by the step; the others keep their greedy token): a second call, because inside the
+    step it cost every step ~5 ms (see `pagedjax.sampling.sample`). One compilation per row
+    bucket S."""
     _trace()
-    safe = jnp.where(finite[:, None], logits, 0.0)
     return resample(safe, lse, tokens, a["temperature"], a["top_k"], a["top_p"], a["min_p"], a["seeds"],
                     a["sample_positions"])
 
@@ -244,7 +244,7 @@ class ModelRunner:
     @staticmethod
     def _resample(results, logits, inputs):
         tokens, logprob, top_ids, top_lps, finite = results
-        tokens, logprob = _resample_fn(*logits, finite, tokens, {k: inputs[k] for k in SAMPLING_INPUTS})
+        tokens, logprob = _resample_fn(*logits, tokens, {k: inputs[k] for k in SAMPLING_INPUTS})
         return tokens, logprob, top_ids, top_lps, finite
 
     # -- block moves -----------------------------------------------------------------------------
