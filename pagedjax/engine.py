@@ -28,6 +28,7 @@ import numpy as np
 from pagedjax.config import EngineConfig
 from pagedjax.metrics import RequestRecord
 from pagedjax.model.llama import ModelConfig, init_random_params
+from pagedjax.pallas.common import check_supported, device_limits
 from pagedjax.parallel import check_tensor_parallel, param_bytes_per_device
 from pagedjax.runner import ModelRunner, resolve_backend
 from pagedjax.sampling_params import SamplingParams
@@ -37,7 +38,6 @@ from pagedjax.scheduler.sequence import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
-KERNEL_BLOCK_SIZES = (8, 16, 32, 64, 128)
 
 TINY_RANDOM = ModelConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                           num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
@@ -143,9 +143,10 @@ class LLMEngine:
                              f"({mc.sliding_window}); attention here is full, so keep sequences inside the window")
         check_tensor_parallel(config.tensor_parallel_size, mc)  # before sizing the pool per device
         self.backend = resolve_backend(config.attention_backend, config.tensor_parallel_size)
-        if self.backend == "pallas" and config.block_size not in KERNEL_BLOCK_SIZES:
-            raise ValueError(f"block_size ({config.block_size}) must be one of {KERNEL_BLOCK_SIZES} for the "
-                             f"Pallas kernel (attention_backend={config.attention_backend!r})")
+        if self.backend == "pallas":
+            # refused here, naming the limit, rather than by the compiler in the first step
+            check_supported(head_dim=mc.head_dim, num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads,
+                            block_size=config.block_size, dtype=self.dtype, limits=device_limits())
         num_blocks = config.num_blocks or self._default_num_blocks(params)
         need = config.max_blocks_per_seq
         if num_blocks - 1 < need:

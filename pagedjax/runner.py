@@ -38,6 +38,7 @@ import numpy as np
 
 from pagedjax import native, parallel
 from pagedjax.config import EngineConfig
+from pagedjax.pallas.common import DeviceLimits, device_limits
 from pagedjax.model.llama import (AttentionMetadata, ModelConfig, compute_logits, forward, forward_split,
                                   init_kv_cache, xla_attention)
 from pagedjax.sampling import greedy, resample
@@ -72,15 +73,16 @@ def resolve_backend(backend: str, tensor_parallel_size: int = 1) -> str:
     return backend
 
 
-def _pallas_attention(q, k_cache, v_cache, attn: AttentionMetadata):
+def _pallas_attention(q, k_cache, v_cache, attn: AttentionMetadata, *, limits: DeviceLimits):
     """Every token of the step, prefill chunks and decodes alike, through the ragged Pallas
-    kernel; it reads the pool, which already holds this step's K/V. (Whether decode-only steps
-    are faster through the decode kernel, `paged_attention`, is for a GPU run of
-    scripts/bench_kernel.py --ragged to say; until measured, one kernel serves all.)"""
+    kernel tiled for the device `limits` describe; it reads the pool, which already holds this
+    step's K/V. (Whether decode-only steps are faster through the decode kernel,
+    `paged_attention`, is for a GPU run of scripts/bench_kernel.py --ragged to say; until
+    measured, one kernel serves all.)"""
     from pagedjax.pallas import ragged_paged_attention
 
     return ragged_paged_attention(q, k_cache, v_cache, attn.block_tables, attn.context_lens,
-                                  attn.query_start_loc, attn.num_seqs)
+                                  attn.query_start_loc, attn.num_seqs, limits=limits)
 
 
 class _Counter:
@@ -103,9 +105,9 @@ def _keep_pool_sharding(kv_cache, mesh):
     return jax.lax.with_sharding_constraint(kv_cache, (parallel.kv_sharding(mesh),) * len(kv_cache))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "backend", "num_logprobs", "logits_hook", "mesh"),
+@functools.partial(jax.jit, static_argnames=("cfg", "backend", "num_logprobs", "logits_hook", "mesh", "limits"),
                    donate_argnums=(1,))
-def _step_fn(params, kv_cache, a, *, cfg, backend, num_logprobs, logits_hook, mesh=None):
+def _step_fn(params, kv_cache, a, *, cfg, backend, num_logprobs, logits_hook, mesh=None, limits=None):
     _trace()
     attn = AttentionMetadata(a["slot_mapping"], a["block_tables"], a["context_lens"],
                              a["query_start_loc"], a["num_seqs"])
@@ -116,7 +118,9 @@ def _step_fn(params, kv_cache, a, *, cfg, backend, num_logprobs, logits_hook, me
         hidden, kv_cache = forward_split(params, cfg, a["token_ids"], a["positions"], kv_cache, attn,
                                          attention_fn=attention_fn)
     else:
-        attention_fn = _pallas_attention if mesh is None else parallel.shard_attention(_pallas_attention, mesh)
+        attention_fn = functools.partial(_pallas_attention, limits=limits or device_limits())
+        if mesh is not None:
+            attention_fn = parallel.shard_attention(attention_fn, mesh)
         hidden, kv_cache = forward(params, cfg, a["token_ids"], a["positions"], kv_cache, attn,
                                    attention_fn=attention_fn)
     kv_cache = _keep_pool_sharding(kv_cache, mesh)
@@ -128,13 +132,13 @@ def _step_fn(params, kv_cache, a, *, cfg, backend, num_logprobs, logits_hook, me
     finite = jnp.all(jnp.isfinite(logits), axis=-1)
     safe = jnp.where(finite[:, None], logits, 0.0)
     tokens, logprob, lse, top_ids, top_lps = greedy(safe, num_logprobs)
-    # the (masked) logits stay on the device for `_resample_fn`, which runs only when a row samples
+    # the (masked) logits stay on the device for `resample_step`, which runs only when a row samples
     return (tokens, logprob, top_ids, top_lps, finite), (safe, lse), kv_cache
 
 
 @jax.jit
-def _resample_fn(safe, lse, tokens, a):
-    """The step's rows with temperature > 0 sampled from its logits (non-finite rows already
+def resample_step(safe, lse, tokens, a):
+    """(tokens, logprobs) after sampling: the step's rows with temperature > 0 sampled from its logits (non-finite rows already
     zeroed by the step; the others keep their greedy token): a second call, because inside the
     step it cost every step ~5 ms (see `pagedjax.sampling.sample`). One compilation per row
     bucket S."""
@@ -163,6 +167,29 @@ def _gather_fn(kv_cache, ids):
 def _scatter_fn(kv_cache, ids, blocks, *, mesh=None):
     _trace()
     return _keep_pool_sharding(tuple(c.at[:, :, ids].set(b) for c, b in zip(kv_cache, blocks)), mesh)
+
+
+def make_step(cfg: ModelConfig, *, backend: str, num_logprobs: int = 0, logits_hook=None, mesh=None,
+              limits: DeviceLimits | None = None):
+    """The jitted step `ModelRunner` runs: step(params, kv_cache, inputs) -> (results, logits,
+    kv_cache), the cache donated. `limits` describes the device the Pallas kernels are tiled and
+    compiled for (default: the local one); `pagedjax.aot` passes a named TPU's or GPU's to compile
+    the step for it from a CPU."""
+    return functools.partial(_step_fn, cfg=cfg, backend=backend, num_logprobs=num_logprobs,
+                             logits_hook=logits_hook, mesh=mesh, limits=limits or device_limits())
+
+
+def step_input_arrays(T: int, S: int, P: int) -> dict[str, np.ndarray]:
+    """Padding-only inputs of one (T tokens, S rows, P block-table columns) bucket: every token
+    writes nowhere, every row is empty. Warm-up runs them; `pagedjax.aot` takes their shapes."""
+    i32 = np.int32
+    return dict(token_ids=np.zeros(T, i32), positions=np.zeros(T, i32), slot_mapping=np.full(T, -1, i32),
+                query_start_loc=np.zeros(S + 1, i32), context_lens=np.zeros(S, i32),
+                block_tables=np.zeros((S, P), i32), slot_mask=np.zeros(S, bool),
+                logits_indices=np.zeros(S, i32), temperature=np.zeros(S, np.float32),
+                top_k=np.zeros(S, i32), top_p=np.ones(S, np.float32), min_p=np.zeros(S, np.float32),
+                seeds=np.zeros((S, 2), np.uint32), sample_positions=np.zeros(S, i32),
+                num_seqs=np.zeros((), i32), num_tokens=np.zeros((), i32))
 
 
 class ModelRunner:
@@ -197,8 +224,8 @@ class ModelRunner:
         # tests use it to make chosen rows' logits non-finite: (logits, StepInput arrays) -> logits
         self.logits_hook = logits_hook
         self.compile_seconds = 0.0
-        self._step = functools.partial(_step_fn, cfg=model_config, backend=self.backend,
-                                       num_logprobs=num_logprobs, logits_hook=logits_hook, mesh=self.mesh)
+        self._step = make_step(model_config, backend=self.backend, num_logprobs=num_logprobs,
+                               logits_hook=logits_hook, mesh=self.mesh)
         self._copy, self._gather, self._scatter = _copy_fn, _gather_fn, _scatter_fn
         if self.mesh is not None:
             self._copy = functools.partial(_copy_fn, mesh=self.mesh)
@@ -244,7 +271,7 @@ class ModelRunner:
     @staticmethod
     def _resample(results, logits, inputs):
         tokens, logprob, top_ids, top_lps, finite = results
-        tokens, logprob = _resample_fn(*logits, tokens, {k: inputs[k] for k in SAMPLING_INPUTS})
+        tokens, logprob = resample_step(*logits, tokens, {k: inputs[k] for k in SAMPLING_INPUTS})
         return tokens, logprob, top_ids, top_lps, finite
 
     # -- block moves -----------------------------------------------------------------------------
@@ -280,23 +307,12 @@ class ModelRunner:
         self.kv_cache = self._scatter(self.kv_cache, padded[:, 1], tuple(blocks))
 
     # -- warm-up -----------------------------------------------------------------------------------
-    def dummy_step_arrays(self, T: int, S: int, P: int) -> dict[str, np.ndarray]:
-        """Padding-only inputs of one bucket: every token writes nowhere, every row is empty."""
-        i32 = np.int32
-        return dict(token_ids=np.zeros(T, i32), positions=np.zeros(T, i32), slot_mapping=np.full(T, -1, i32),
-                    query_start_loc=np.zeros(S + 1, i32), context_lens=np.zeros(S, i32),
-                    block_tables=np.zeros((S, P), i32), slot_mask=np.zeros(S, bool),
-                    logits_indices=np.zeros(S, i32), temperature=np.zeros(S, np.float32),
-                    top_k=np.zeros(S, i32), top_p=np.ones(S, np.float32), min_p=np.zeros(S, np.float32),
-                    seeds=np.zeros((S, 2), np.uint32), sample_positions=np.zeros(S, i32),
-                    num_seqs=np.zeros((), i32), num_tokens=np.zeros((), i32))
-
     def warmup(self, buckets, *, with_copies: bool = True) -> float:
         """Compile every (T, S, P) bucket and the block-move functions; returns seconds spent."""
         t0 = time.perf_counter()
         sampled_rows = set()
         for T, S, P in buckets:
-            arrays = self._inputs(self.dummy_step_arrays(T, S, P))
+            arrays = self._inputs(step_input_arrays(T, S, P))
             results, logits, self.kv_cache = self._step(self.params, self.kv_cache, arrays)
             if S not in sampled_rows:  # the sampler compiles once per row bucket
                 sampled_rows.add(S)

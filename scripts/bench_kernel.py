@@ -302,7 +302,7 @@ def ragged_main(args):
         ragged_paged_attention,
         ragged_paged_attention_reference,
     )
-    from pagedjax.pallas.paged_attention import GPU_MIN_ROWS, TOKENS_PER_STEP
+    from pagedjax.pallas.common import GPU_MIN_ROWS, TOKENS_PER_STEP
     from pagedjax.pallas.ragged_paged_attention import TPU_MIN_ROWS, default_block_q
 
     backend = jax.default_backend()

@@ -20,6 +20,7 @@ from jax import export  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
 import pagedjax.pallas.paged_attention  # noqa: E402,F401
+from pagedjax.pallas.testing import paged_case, to_contiguous  # noqa: E402
 from pagedjax.pallas import (  # noqa: E402
     contiguous_attention,
     contiguous_attention_reference,
@@ -31,41 +32,6 @@ from pagedjax.pallas import (  # noqa: E402
 kernels = sys.modules["pagedjax.pallas.paged_attention"]
 
 F32_TOL, BF16_TOL = 1e-5, 2e-2
-
-
-def paged_case(seed, *, block_size, num_heads, num_kv_heads, head_dim, dtype, max_blocks=4,
-               batch_lengths=None):
-    """Fresh random decode inputs over a NaN-filled pool. Returns (q, k_pages, v_pages, tables, lengths)."""
-    rng = np.random.default_rng(seed)
-    bs = block_size
-    if batch_lengths is None:
-        batch_lengths = [0, 1, bs, bs + 1, max_blocks * bs, int(rng.integers(2, max_blocks * bs))]
-    lengths = np.asarray(batch_lengths, np.int32)
-    need = -(-lengths // bs)
-    num_blocks = 1 + int(need.sum()) + 3  # block 0 is the null block; 3 spare blocks stay NaN
-    shape = (num_kv_heads, num_blocks, bs, head_dim)
-    k_pages, v_pages = np.full(shape, np.nan, np.float32), np.full(shape, np.nan, np.float32)
-    physical = rng.permutation(np.arange(1, num_blocks))  # shuffled block-table order
-    tables = np.zeros((len(lengths), max_blocks), np.int32)
-    used = 0
-    for b, n in enumerate(lengths):
-        tables[b, :need[b]] = physical[used:used + need[b]]
-        used += need[b]
-        for i, blk in enumerate(tables[b, :need[b]]):
-            filled = min(bs, n - i * bs)  # the last page's tail stays NaN
-            k_pages[:, blk, :filled] = rng.standard_normal((num_kv_heads, filled, head_dim))
-            v_pages[:, blk, :filled] = rng.standard_normal((num_kv_heads, filled, head_dim))
-    q = rng.standard_normal((len(lengths), num_heads, head_dim))
-    return (jnp.asarray(q, dtype), jnp.asarray(k_pages, dtype), jnp.asarray(v_pages, dtype),
-            jnp.asarray(tables), jnp.asarray(lengths))
-
-
-def to_contiguous(k_pages, tables, max_len):
-    """[KVH, NB, bs, D] pages + tables -> [B, KVH, max_len, D]: the same cache, laid out contiguously."""
-    kvh, _, bs, d = k_pages.shape
-    g = k_pages[:, tables]  # [KVH, B, MB, bs, D]
-    g = jnp.moveaxis(g, 0, 1).reshape(tables.shape[0], kvh, -1, d)
-    return g[:, :, :max_len]
 
 
 def check(out, ref, lengths, dtype):
@@ -105,15 +71,17 @@ def test_kernel_matches_reference(variant, block_size, num_heads, num_kv_heads, 
     check(out, ref_jit(q, k_pages, v_pages, tables, lengths), lengths, dtype)
 
 
-@pytest.mark.parametrize("pages_per_block,num_splits", [(1, 1), (2, 3), (4, 2)])
-def test_gpu_steps_and_splits(pages_per_block, num_splits):
+@pytest.mark.parametrize("block_size,tokens_per_step,num_splits",
+                         [(16, 16, 1), (16, 32, 3), (16, 64, 2), (32, 16, 2), (64, 16, 1)])
+def test_gpu_steps_and_splits(block_size, tokens_per_step, num_splits):
     # The compiled GPU path splits sequences when the batch is small (never on CPU by default):
-    # cover the split merge, empty splits and several pages per step here.
+    # cover the split merge, empty splits, several pages per step, and steps that read part of a
+    # page (what the kernel does when a page's K and V would not fit a GPU's shared memory).
     q, k_pages, v_pages, tables, lengths = paged_case(
-        pages_per_block * 10 + num_splits, block_size=16, num_heads=9, num_kv_heads=3, head_dim=64,
-        dtype=jnp.float32, max_blocks=6)
+        tokens_per_step * 10 + num_splits + block_size, block_size=block_size, num_heads=9,
+        num_kv_heads=3, head_dim=64, dtype=jnp.float32, max_blocks=6)
     f = jax.jit(functools.partial(kernels.paged_attention_gpu, interpret=True,
-                                  pages_per_block=pages_per_block, num_splits=num_splits))
+                                  tokens_per_step=tokens_per_step, num_splits=num_splits))
     check(f(q, k_pages, v_pages, tables, lengths), ref_jit(q, k_pages, v_pages, tables, lengths),
           lengths, jnp.float32)
 

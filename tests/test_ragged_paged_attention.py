@@ -23,51 +23,13 @@ from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
 import pagedjax.pallas.ragged_paged_attention  # noqa: E402,F401
 from pagedjax.pallas import ragged_paged_attention, ragged_paged_attention_reference  # noqa: E402
+from pagedjax.pallas.testing import ragged_case  # noqa: E402
 
 # pagedjax.pallas.ragged_paged_attention is the function; the module holds the per-variant entry
 # points.
 kernels = sys.modules["pagedjax.pallas.ragged_paged_attention"]
 
 F32_TOL, BF16_TOL = 1e-5, 2e-2
-GARBAGE = 1 << 20  # what padding seats hold where a real sequence holds a length or an offset
-
-
-def ragged_case(seed, seqs, *, block_size, num_heads, num_kv_heads, head_dim, dtype, num_tokens,
-                num_seats, max_blocks, num_blocks=None):
-    """Fresh random inputs for one step. seqs: (context_len, q_len) of each live sequence, in order.
-
-    Returns (q, k_pages, v_pages, block_tables, context_lens, query_start_loc, num_seqs).
-    """
-    rng = np.random.default_rng(seed)
-    bs = block_size
-    need = [-(-c // bs) for c, _ in seqs]
-    # Block 0 is the null block; at least 3 spare blocks stay NaN.
-    num_blocks = num_blocks or 1 + sum(need) + 3
-    shape = (num_kv_heads, num_blocks, bs, head_dim)
-    k_pages, v_pages = np.full(shape, np.nan, np.float32), np.full(shape, np.nan, np.float32)
-    physical = rng.permutation(np.arange(1, 1 + sum(need)))  # shuffled block-table order
-    # Padding seats point anywhere, NaN pages and other sequences' pages alike.
-    tables = rng.integers(0, num_blocks, (num_seats, max_blocks)).astype(np.int32)
-    context_lens = np.full(num_seats, GARBAGE, np.int32)
-    qsl = np.full(num_seats + 1, GARBAGE, np.int32)
-    qsl[0] = 0
-    used = 0
-    for s, (ctx, q_len) in enumerate(seqs):
-        # Entries past a sequence's last page are normally 0; here they are stale (random pages):
-        # nothing past context_lens may be read through them.
-        tables[s, :need[s]] = physical[used:used + need[s]]
-        used += need[s]
-        for i, blk in enumerate(tables[s, :need[s]]):
-            filled = min(bs, ctx - i * bs)  # the last page's tail stays NaN
-            k_pages[:, blk, :filled] = rng.standard_normal((num_kv_heads, filled, head_dim))
-            v_pages[:, blk, :filled] = rng.standard_normal((num_kv_heads, filled, head_dim))
-        context_lens[s] = ctx
-        qsl[s + 1] = qsl[s] + q_len
-    q = rng.standard_normal((num_tokens, num_heads, head_dim)).astype(np.float32)
-    q[qsl[len(seqs)]:] = np.nan  # padding rows must give zeros whatever they hold
-    return (jnp.asarray(q, dtype), jnp.asarray(k_pages, dtype), jnp.asarray(v_pages, dtype),
-            jnp.asarray(tables), jnp.asarray(context_lens), jnp.asarray(qsl),
-            jnp.int32(len(seqs)))
 
 
 def check(out, ref, args, dtype):
@@ -117,18 +79,21 @@ def test_kernel_matches_reference(variant, scenario):
     check(f(*args), ref_jit(*args), args, cfg["dtype"])
 
 
-@pytest.mark.parametrize("variant,block_q,pages_per_block", [
-    ("gpu", 2, 1),  # many tiles per chunk, one page a step
-    ("gpu", 8, 4),
-    ("tpu", 4, 3),  # 3 pages a step over an 11-entry table: the last step copies the null block
+@pytest.mark.parametrize("variant,block_size,block_q,step", [
+    ("gpu", 8, 2, 8),  # many tiles per chunk, one page a step
+    ("gpu", 8, 8, 32),
+    ("gpu", 32, 4, 16),  # half a page a step (a GPU's shared memory may not hold a whole page)
+    ("tpu", 8, 4, 3),  # 3 pages a step over an 11-entry table: the last step copies the null block
 ])
-def test_tiles_and_steps(variant, block_q, pages_per_block):
-    cfg = dict(SCENARIOS["prefix"], dtype=jnp.float32, block_size=8, max_blocks=41)
+def test_tiles_and_steps(variant, block_size, block_q, step):
+    cfg = dict(SCENARIOS["prefix"], dtype=jnp.float32, block_size=block_size,
+               max_blocks=-(-328 // block_size))
     args = ragged_case(7, **cfg)
-    fn = (kernels.ragged_paged_attention_gpu if variant == "gpu"
-          else kernels.ragged_paged_attention_tpu)
-    f = jax.jit(functools.partial(fn, interpret=True, block_q=block_q,
-                                  pages_per_block=pages_per_block))
+    if variant == "gpu":  # the GPU kernel's step is in tokens, the TPU kernel's in pages
+        fn = functools.partial(kernels.ragged_paged_attention_gpu, tokens_per_step=step)
+    else:
+        fn = functools.partial(kernels.ragged_paged_attention_tpu, pages_per_block=step)
+    f = jax.jit(functools.partial(fn, interpret=True, block_q=block_q))
     check(f(*args), ref_jit(*args), args, jnp.float32)
 
 
@@ -240,8 +205,8 @@ def test_bad_input_raises_value_error():
     # Triton's limits apply only when compiling.
     with pytest.raises(ValueError, match=r"query tiles of >= 16 rows"):
         kernels.ragged_paged_attention_gpu(q, k, v, bt, cl, qsl, n, interpret=False, block_q=4)
-    with pytest.raises(ValueError, match=r"pages_per_block 1 of 8 tokens"):
+    with pytest.raises(ValueError, match=r"tokens_per_step a power of two >= 16.*got 8"):
         kernels.ragged_paged_attention_gpu(q, k, v, bt, cl, qsl, n, interpret=False,
-                                           pages_per_block=1)
+                                           tokens_per_step=8)
     with pytest.raises(ValueError, match=r"InterpretParams"):
         call(q, k, v, bt, cl, qsl, n, interpret=pltpu.InterpretParams())

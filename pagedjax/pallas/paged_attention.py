@@ -1,8 +1,9 @@
 """Pallas decode attention over a paged KV cache, and over a contiguous one for comparison.
 
     paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
-                    variant="auto", interpret=None) -> [B, H, D]
-    contiguous_attention(q, k, v, lengths, *, scale=None, variant="auto", interpret=None)
+                    variant="auto", interpret=None, limits=None) -> [B, H, D]
+    contiguous_attention(q, k, v, lengths, *, scale=None, variant="auto", interpret=None,
+                         limits=None)
 
 Arguments (B sequences, H query heads, KVH kv heads, D head_dim):
   q            [B, H, D]                         one query token per sequence, same dtype as the cache
@@ -25,11 +26,14 @@ max_blocks_per_seq * block_size positions, exactly as the reference does.
 Variants (both run on CPU in interpret mode, the default there):
   "gpu"  Triton-style Pallas, lowering through the Pallas Triton backend on NVIDIA GPUs. Grid
          (sequence, kv head, split). Each program loops over only its sequence's valid pages,
-         gathering `pages_per_block` pages a step straight from the pool through the block table,
+         reading `tokens_per_step` tokens a step straight from the pool through the block table
+         (whole pages, or part of one when a page's K and V would not fit the shared memory),
          with an online softmax. A kv head's group of query heads is padded to 16 rows (Triton's
          dot needs every dimension >= 16, every array a power of two). When the batch alone cannot
          fill the GPU, splits divide a sequence's pages between programs (flash-decoding) and the
-         partial results are merged in jnp.
+         partial results are merged in jnp. The step and the pipeline depth are chosen so that a
+         program fits the shared memory of the device `limits` describe (227 KiB on an H100, 163
+         KiB on an A100): see pagedjax.pallas.common.
   "tpu"  Mosaic-style Pallas, lowering through Mosaic on TPU. Grid (sequence, kv head). Lengths and
          the (flattened) block tables are scalar-prefetched into SMEM; the pool stays in HBM
          (memory_space=pl.ANY) and each step's pages are copied into VMEM with async copies,
@@ -37,7 +41,8 @@ Variants (both run on CPU in interpret mode, the default there):
   "auto" "tpu" on a TPU backend, "gpu" otherwise (on CPU it interprets faster).
 interpret=None interprets on CPU and compiles on GPU/TPU; True forces interpretation; a
 pltpu.InterpretParams() runs the TPU variant under the TPU interpreter, which also checks DMA and
-semaphore use.
+semaphore use. limits (a pagedjax.pallas.DeviceLimits) is the device the kernel is tiled and
+compiled for: default the local one; pagedjax.aot passes a named TPU's or GPU's.
 
 The contiguous kernels are the same loops with the gather replaced by a slice, so paged against
 contiguous measures the cost of the indirection alone.
@@ -58,10 +63,30 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-try:  # Triton is deprecated as a Pallas backend from jax 0.11 but still ships; CPU/TPU need not care
-    from jax.experimental.pallas import triton as pltriton
-except ImportError:  # pragma: no cover
-    pltriton = None
+from pagedjax.pallas.common import (
+    DTYPES,
+    GPU_MIN_ROWS,
+    MASK_VALUE,
+    TOKENS_PER_STEP,
+    DeviceLimits,
+    cdiv,
+    ceil_div,
+    check_vmem,
+    dot,
+    finish,
+    fit_step_to_pages,
+    gpu_page_loader,
+    gpu_tiling,
+    init_carry,
+    is_pow2,
+    kernel_cost,
+    pltriton,
+    resolve,
+    round_up,
+    softmax_scale,
+    tpu_double_buffered,
+    tpu_page_copies,
+)
 
 __all__ = [
     "paged_attention",
@@ -72,36 +97,6 @@ __all__ = [
     "contiguous_attention_tpu",
 ]
 
-VARIANTS = ("auto", "gpu", "tpu")
-# Triton's dot needs every dimension >= 16: a kv head's query-head group is padded to this many rows.
-GPU_MIN_ROWS = 16
-# Tokens per inner step. Bigger steps mean fewer loop trips and bigger tiles; a short context
-# wastes at most one step of masked work.
-TOKENS_PER_STEP = 128
-# A finite stand-in for -inf: exp(MASK_VALUE - m) is exactly 0, and MASK_VALUE - MASK_VALUE is 0,
-# never the NaN that -inf - -inf gives.
-MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
-_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-
-
-# ---------------------------------------------------------------------------------------------
-# shared math (runs inside both the Triton and the Mosaic kernels)
-# ---------------------------------------------------------------------------------------------
-
-
-def _dot(a, b, contract):
-    # Default f32 precision is TF32 on NVIDIA GPUs and a single bf16 pass on TPU: HIGHEST keeps
-    # f32 caches exact. Other dtypes multiply exactly and accumulate in f32 anyway.
-    prec = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    return lax.dot_general(a, b, (contract, ((), ())), precision=prec,
-                           preferred_element_type=jnp.float32)
-
-
-def _init_carry(rows, d):
-    """(running max m [rows, 1], running sum l [rows, 1], unnormalised output acc [rows, d]), f32."""
-    return (jnp.full((rows, 1), MASK_VALUE, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
-            jnp.zeros((rows, d), jnp.float32))
-
 
 def _attend_steps(q, length, tok_first, n, steps, load, scale):
     """Online softmax of q [rows, D] over `steps` steps of n tokens from position tok_first.
@@ -109,7 +104,7 @@ def _attend_steps(q, length, tok_first, n, steps, load, scale):
     load(i, tok0) -> (k, v), each [n, D]: step i's tokens, positions tok0 .. tok0 + n - 1. Positions
     >= length are masked. Callers stop at length, so every step holds a valid position and the
     running max is a real logit from the first step on (masked entries then get exp() == 0).
-    Returns the carry of `_init_carry` after the last step.
+    Returns the carry of `init_carry` after the last step.
     """
     rows, d = q.shape
 
@@ -117,7 +112,7 @@ def _attend_steps(q, length, tok_first, n, steps, load, scale):
         m_prev, l_prev, acc_prev = carry
         tok0 = tok_first + i * n
         k, v = load(i, tok0)
-        s = _dot(q, k, ((1,), (1,))) * scale  # [rows, n]
+        s = dot(q, k, ((1,), (1,))) * scale  # [rows, n]
         s = jnp.where(tok0 + lax.broadcasted_iota(jnp.int32, (1, n), 1) < length, s, MASK_VALUE)
         # A masked slot may hold anything, NaN included, and 0 * NaN is NaN: zero it.
         v = jnp.where(tok0 + lax.broadcasted_iota(jnp.int32, (n, d), 0) < length, v, 0)
@@ -125,25 +120,17 @@ def _attend_steps(q, length, tok_first, n, steps, load, scale):
         alpha = jnp.exp(m_prev - m_next)
         p = jnp.exp(s - m_next)
         l_next = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-        acc_next = alpha * acc_prev + _dot(p.astype(v.dtype), v, ((1,), (0,)))
+        acc_next = alpha * acc_prev + dot(p.astype(v.dtype), v, ((1,), (0,)))
         return m_next, l_next, acc_next
 
-    return lax.fori_loop(0, steps, body, _init_carry(rows, d))
+    return lax.fori_loop(0, steps, body, init_carry(rows, d))
 
 
-def _finish(acc, l, dtype):
-    # l == 0 only when no position was valid (length 0): give zeros, not 0/0.
-    return (acc / jnp.where(l > 0, l, 1.0)).astype(dtype)
-
-
-def _cdiv(a, b):
-    # lax.div, not //: jnp's floor division lowers through sign(), which Mosaic can only lower
-    # knowing the TPU generation. Every operand here is non-negative, where the two agree.
-    return lax.div(a + b - 1, b)
-
-
-def _round_up(x, m):
-    return -(-x // m) * m
+def _decode_cost(b, h, kvh, d, max_tokens, itemsize, table_bytes=0):
+    """Every sequence at the full table: QK^T and PV, one exp per score, K/V read once per kv head."""
+    return kernel_cost(flops=4 * b * h * max_tokens * d, transcendentals=b * h * max_tokens,
+                       bytes_accessed=2 * b * kvh * max_tokens * d * itemsize
+                       + 2 * b * h * d * itemsize + table_bytes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,19 +154,10 @@ def _gpu_kernel(lengths_ref, *refs, scale, n, tokens_per_split, max_tokens, page
     rows, d = q_ref.shape
     length = jnp.minimum(lengths_ref[b], max_tokens)
     first = split * tokens_per_split
-    steps = _cdiv(jnp.maximum(jnp.minimum(first + tokens_per_split, length) - first, 0), n)
+    steps = cdiv(jnp.maximum(jnp.minimum(first + tokens_per_split, length) - first, 0), n)
 
     if paged:
-        block_size = k_ref.shape[2]
-        pages_per_block = n // block_size
-        num_pages = _cdiv(length, block_size)
-
-        def load(i, tok0):
-            page0 = lax.div(tok0, block_size)
-            idx = page0 + lax.broadcasted_iota(jnp.int32, (pages_per_block,), 0)
-            # Entries past the sequence's last page may be stale: follow the null block instead.
-            pages = jnp.where(idx < num_pages, bt_ref[pl.ds(page0, pages_per_block)], 0)
-            return k_ref[h, pages].reshape(n, d), v_ref[h, pages].reshape(n, d)
+        load = gpu_page_loader(k_ref, v_ref, bt_ref, h, cdiv(length, k_ref.shape[2]), n)
     else:
         def load(i, tok0):
             return k_ref[b, h, pl.ds(tok0, n)], v_ref[b, h, pl.ds(tok0, n)]
@@ -190,7 +168,7 @@ def _gpu_kernel(lengths_ref, *refs, scale, n, tokens_per_split, max_tokens, page
     l_ref[...] = l.reshape(rows)
 
 
-def _gpu_call(kernel_kwargs, lengths, bt, q, k, v, *, num_splits, interpret):
+def _gpu_call(kernel_kwargs, lengths, bt, q, k, v, *, num_splits, num_stages, interpret, cost):
     """Runs _gpu_kernel over grid (B, KVH, num_splits) and merges the splits."""
     b, kvh, group, d = q.shape
     rows = max(GPU_MIN_ROWS, pl.next_power_of_2(group))
@@ -210,7 +188,7 @@ def _gpu_call(kernel_kwargs, lengths, bt, q, k, v, *, num_splits, interpret):
 
     params = None
     if pltriton is not None:
-        params = pltriton.CompilerParams(num_warps=4, num_stages=2)
+        params = pltriton.CompilerParams(num_warps=4, num_stages=num_stages)
     o, m, l = pl.pallas_call(
         functools.partial(_gpu_kernel, **kernel_kwargs),
         grid=(b, kvh, num_splits),
@@ -220,6 +198,7 @@ def _gpu_call(kernel_kwargs, lengths, bt, q, k, v, *, num_splits, interpret):
                    jax.ShapeDtypeStruct((num_splits, b, kvh, rows), jnp.float32),
                    jax.ShapeDtypeStruct((num_splits, b, kvh, rows), jnp.float32)],
         compiler_params=params,
+        cost_estimate=cost,
         interpret=interpret,
         name="paged_attention_gpu" if bt is not None else "contiguous_attention_gpu",
     )(*args)
@@ -229,52 +208,53 @@ def _gpu_call(kernel_kwargs, lengths, bt, q, k, v, *, num_splits, interpret):
     w = jnp.exp(m - m_max)
     acc = jnp.sum(o * w[..., None], axis=0)
     l_sum = jnp.sum(l * w, axis=0)
-    return _finish(acc, l_sum[..., None], q.dtype)[:, :, :group]
+    return finish(acc, l_sum[..., None], q.dtype)[:, :, :group]
 
 
-def _gpu_num_splits(programs, max_steps, interpret):
+def _gpu_num_splits(programs, max_steps, interpret, limits):
     """Splits per sequence so that about two programs run per SM (never in interpret mode)."""
     if interpret:
         return 1
-    sms = getattr(jax.devices()[0], "core_count", None) or 132
-    return int(max(1, min(_cdiv_py(2 * sms, programs), max_steps, 32)))
+    sms = limits.core_count or 132
+    return int(max(1, min(ceil_div(2 * sms, programs), max_steps, 32)))
 
 
-def _cdiv_py(a, b):
-    return -(-a // b)
-
-
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "pages_per_block", "num_splits"))
-def _paged_gpu(q, k_pages, v_pages, block_tables, lengths, *, scale, interpret, pages_per_block,
-               num_splits):
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "tokens_per_step", "num_splits",
+                                             "num_stages"))
+def _paged_gpu(q, k_pages, v_pages, block_tables, lengths, *, scale, interpret, tokens_per_step,
+               num_splits, num_stages):
     b, h, d = q.shape
     kvh, _, block_size, _ = k_pages.shape
     max_blocks = block_tables.shape[1]
-    pages_per_split = _round_up(_cdiv_py(max_blocks, num_splits), pages_per_block)
-    # Pad the table so every step's slice of pages_per_block entries is in bounds; the padding
-    # is 0, the null block, and is masked anyway.
+    pages_per_step = max(1, tokens_per_step // block_size)
+    pages_per_split = round_up(ceil_div(max_blocks, num_splits), pages_per_step)
+    # Pad the table so every step's slice of pages is in bounds; the padding is 0, the null
+    # block, and is masked anyway.
     bt = jnp.pad(block_tables, ((0, 0), (0, pages_per_split * num_splits - max_blocks)))
-    kw = dict(scale=scale, n=pages_per_block * block_size,
-              tokens_per_split=pages_per_split * block_size, max_tokens=max_blocks * block_size,
-              paged=True)
+    max_tokens = max_blocks * block_size
+    kw = dict(scale=scale, n=tokens_per_step, tokens_per_split=pages_per_split * block_size,
+              max_tokens=max_tokens, paged=True)
+    cost = _decode_cost(b, h, kvh, d, max_tokens, q.dtype.itemsize, block_tables.size * 4)
     out = _gpu_call(kw, lengths, bt, q.reshape(b, kvh, h // kvh, d), k_pages, v_pages,
-                    num_splits=num_splits, interpret=interpret)
+                    num_splits=num_splits, num_stages=num_stages, interpret=interpret, cost=cost)
     return out.reshape(b, h, d)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "tokens_per_step", "num_splits"))
-def _contiguous_gpu(q, k, v, lengths, *, scale, interpret, tokens_per_step, num_splits):
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "tokens_per_step", "num_splits",
+                                             "num_stages"))
+def _contiguous_gpu(q, k, v, lengths, *, scale, interpret, tokens_per_step, num_splits, num_stages):
     b, h, d = q.shape
     kvh, max_len = k.shape[1], k.shape[2]
-    tokens_per_split = _round_up(_cdiv_py(max_len, num_splits), tokens_per_step)
+    tokens_per_split = round_up(ceil_div(max_len, num_splits), tokens_per_step)
     pad = tokens_per_split * num_splits - max_len
     if pad:  # a slice must not run off the end (Triton would read out of bounds): costs a copy
         k = jnp.pad(k, ((0, 0), (0, 0), (0, pad), (0, 0)))
         v = jnp.pad(v, ((0, 0), (0, 0), (0, pad), (0, 0)))
     kw = dict(scale=scale, n=tokens_per_step, tokens_per_split=tokens_per_split,
               max_tokens=max_len, paged=False)
+    cost = _decode_cost(b, h, kvh, d, max_len, q.dtype.itemsize)
     out = _gpu_call(kw, lengths, None, q.reshape(b, kvh, h // kvh, d), k, v,
-                    num_splits=num_splits, interpret=interpret)
+                    num_splits=num_splits, num_stages=num_stages, interpret=interpret, cost=cost)
     return out.reshape(b, h, d)
 
 
@@ -283,37 +263,12 @@ def _contiguous_gpu(q, k, v, lengths, *, scale, interpret, tokens_per_step, num_
 # ---------------------------------------------------------------------------------------------
 
 
-def _tpu_attend(q_ref, o_ref, k_buf, v_buf, length, n, steps, copies, scale):
-    """Double-buffered loop: step i computes on slot i % 2 while step i + 1's copies fill the other.
-
-    copies(step, slot) -> the async copies (descriptors) that bring step's K and V into slot.
-    """
-    d = q_ref.shape[1]
-
-    @pl.when(steps > 0)
-    def _():
-        for c in copies(0, 0):
-            c.start()
-
-    def load(i, tok0):
-        slot = lax.rem(i, 2)
-
-        @pl.when(i + 1 < steps)
-        def _():
-            for c in copies(i + 1, 1 - slot):
-                c.start()
-
-        for c in copies(i, slot):
-            c.wait()
-        # Compute in f32: Mosaic merges [pages, bs, D] into [pages * bs, D] cleanly only on
-        # 32-bit tiles (a bf16 tile is 16 rows, which an 8-token block would straddle).
-        k = k_buf[slot].astype(jnp.float32).reshape(n, d)
-        v = v_buf[slot].astype(jnp.float32).reshape(n, d)
-        return k, v
-
-    q = q_ref[...].astype(jnp.float32)
-    m, l, acc = _attend_steps(q, length, 0, n, steps, load, scale)
-    o_ref[...] = _finish(acc, l, o_ref.dtype)
+def _tpu_attend(q_ref, o_ref, k_buf, v_buf, length, n, copies, scale):
+    """The double-buffered loop over cdiv(length, n) steps; see `tpu_double_buffered`."""
+    steps = cdiv(length, n)
+    load = tpu_double_buffered(k_buf, v_buf, n, steps, copies)
+    m, l, acc = _attend_steps(q_ref[...].astype(jnp.float32), length, 0, n, steps, load, scale)
+    o_ref[...] = finish(acc, l, o_ref.dtype)
 
 
 def _tpu_paged_kernel(lengths_ref, bt_ref, q_ref, k_hbm, v_hbm, o_ref, k_buf, v_buf, sems, *,
@@ -327,23 +282,10 @@ def _tpu_paged_kernel(lengths_ref, bt_ref, q_ref, k_hbm, v_hbm, o_ref, k_buf, v_
     """
     b, h = pl.program_id(0), pl.program_id(1)
     block_size = k_hbm.shape[2]
-    n = pages_per_block * block_size
     length = jnp.minimum(lengths_ref[b], max_blocks * block_size)
-    num_pages = _cdiv(length, block_size)
-
-    def copies(step, slot):
-        # One DMA per page; a slot's copies all signal one semaphore and are waited one by one.
-        # A step's pages past the sequence's end copy the null block (in bounds, then masked).
-        out = []
-        for j in range(pages_per_block):
-            idx = step * pages_per_block + j
-            entry = bt_ref[b * max_blocks + jnp.minimum(idx, max_blocks - 1)]
-            page = jnp.where(idx < num_pages, entry, 0)
-            for hbm, buf, sem in ((k_hbm, k_buf, sems.at[0, slot]), (v_hbm, v_buf, sems.at[1, slot])):
-                out.append(pltpu.make_async_copy(hbm.at[h, page], buf.at[slot, j], sem))
-        return out
-
-    _tpu_attend(q_ref, o_ref, k_buf, v_buf, length, n, _cdiv(length, n), copies, scale)
+    copies = tpu_page_copies(bt_ref, b, max_blocks, cdiv(length, block_size), pages_per_block, h,
+                             k_hbm, v_hbm, k_buf, v_buf, sems)
+    _tpu_attend(q_ref, o_ref, k_buf, v_buf, length, pages_per_block * block_size, copies, scale)
 
 
 def _tpu_contiguous_kernel(lengths_ref, q_ref, k_hbm, v_hbm, o_ref, k_buf, v_buf, sems, *,
@@ -358,10 +300,10 @@ def _tpu_contiguous_kernel(lengths_ref, q_ref, k_hbm, v_hbm, o_ref, k_buf, v_buf
         return [pltpu.make_async_copy(k_hbm.at[b, h, src], k_buf.at[slot], sems.at[0, slot]),
                 pltpu.make_async_copy(v_hbm.at[b, h, src], v_buf.at[slot], sems.at[1, slot])]
 
-    _tpu_attend(q_ref, o_ref, k_buf, v_buf, length, n, _cdiv(length, n), copies, scale)
+    _tpu_attend(q_ref, o_ref, k_buf, v_buf, length, n, copies, scale)
 
 
-def _tpu_call(kernel, scalars, q, k, v, buf_shape, interpret, name):
+def _tpu_call(kernel, scalars, q, k, v, buf_shape, interpret, name, cost):
     b, kvh, group, d = q.shape
     q_spec = pl.BlockSpec((None, None, group, d), lambda b_, h_, *_: (b_, h_, 0, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -378,6 +320,7 @@ def _tpu_call(kernel, scalars, q, k, v, buf_shape, interpret, name):
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         # Each program starts and waits all of its own copies, so programs are independent.
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        cost_estimate=cost,
         interpret=interpret,
         name=name,
     )(*scalars, q, k, v)
@@ -390,9 +333,11 @@ def _paged_tpu(q, k_pages, v_pages, block_tables, lengths, *, scale, interpret, 
     max_blocks = block_tables.shape[1]
     kernel = functools.partial(_tpu_paged_kernel, scale=scale, pages_per_block=pages_per_block,
                                max_blocks=max_blocks)
+    cost = _decode_cost(b, h, kvh, d, max_blocks * block_size, q.dtype.itemsize,
+                        block_tables.size * 4)
     out = _tpu_call(kernel, (lengths, block_tables.reshape(-1)), q.reshape(b, kvh, h // kvh, d),
                     k_pages, v_pages, (2, pages_per_block, block_size, d), interpret,
-                    "paged_attention_tpu")
+                    "paged_attention_tpu", cost)
     return out.reshape(b, h, d)
 
 
@@ -400,24 +345,21 @@ def _paged_tpu(q, k_pages, v_pages, block_tables, lengths, *, scale, interpret, 
 def _contiguous_tpu(q, k, v, lengths, *, scale, interpret, tokens_per_step):
     b, h, d = q.shape
     kvh, max_len = k.shape[1], k.shape[2]
-    pad = _round_up(max_len, tokens_per_step) - max_len
+    pad = round_up(max_len, tokens_per_step) - max_len
     if pad:  # a DMA must not run off the end of the slab: costs a copy
         k = jnp.pad(k, ((0, 0), (0, 0), (0, pad), (0, 0)))
         v = jnp.pad(v, ((0, 0), (0, 0), (0, pad), (0, 0)))
     kernel = functools.partial(_tpu_contiguous_kernel, scale=scale, n=tokens_per_step,
                                max_len=max_len)
+    cost = _decode_cost(b, h, kvh, d, max_len, q.dtype.itemsize)
     out = _tpu_call(kernel, (lengths,), q.reshape(b, kvh, h // kvh, d), k, v,
-                    (2, tokens_per_step, d), interpret, "contiguous_attention_tpu")
+                    (2, tokens_per_step, d), interpret, "contiguous_attention_tpu", cost)
     return out.reshape(b, h, d)
 
 
 # ---------------------------------------------------------------------------------------------
 # the Python boundary
 # ---------------------------------------------------------------------------------------------
-
-
-def _is_pow2(x):
-    return x > 0 and x & (x - 1) == 0
 
 
 def _check_common(q, k, v, lengths, k_name, v_name, kv_heads_axis):
@@ -435,7 +377,7 @@ def _check_common(q, k, v, lengths, k_name, v_name, kv_heads_axis):
     if num_kv_heads == 0 or num_heads % num_kv_heads:
         raise ValueError(f"num_heads % num_kv_heads != 0: q has shape {q.shape} ({num_heads} heads) "
                          f"but {k_name} has shape {k.shape} ({num_kv_heads} kv heads)")
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPES:
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in DTYPES:
         raise ValueError(f"q, {k_name} and {v_name} must share one float dtype of f32/bf16/f16; "
                          f"got {q.dtype}, {k.dtype}, {v.dtype}")
     if lengths.dtype != jnp.int32 or lengths.shape != (batch,):
@@ -456,90 +398,110 @@ def _check_lengths(lengths, capacity, what):
         raise ValueError(f"{what} holds {capacity} tokens but max(lengths) is {values.max()}")
 
 
-def _resolve(variant, interpret):
-    if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {VARIANTS}; got {variant!r}")
-    backend = jax.default_backend()
-    if variant == "auto":
-        variant = "tpu" if backend == "tpu" else "gpu"
-    if interpret is None:
-        interpret = backend == "cpu"
-    if variant == "gpu" and isinstance(interpret, pltpu.InterpretParams):
-        raise ValueError("interpret=pltpu.InterpretParams() applies to variant='tpu' only")
-    return variant, interpret
-
-
-def _check_triton(shape_name, shape, block, head_dim):
-    # Interpret mode accepts any sizes; Triton lowering does not, so say so before it fails deep.
-    if not (_is_pow2(block) and _is_pow2(head_dim) and head_dim >= 16):
+def check_triton(shape_name, shape, head_dim, tokens_per_step, block_size=None):
+    """Interpret mode accepts any sizes; Triton lowering does not: say so before it fails deep."""
+    if not (is_pow2(head_dim) and head_dim >= 16) or (block_size and not is_pow2(block_size)):
         raise ValueError(f"the compiled gpu variant needs power-of-two block sizes and head_dim "
                          f">= 16 (Triton); {shape_name} has shape {shape}")
+    if not (is_pow2(tokens_per_step) and tokens_per_step >= GPU_MIN_ROWS):
+        raise ValueError(f"the compiled gpu variant needs tokens_per_step a power of two >= "
+                         f"{GPU_MIN_ROWS} (Triton); got {tokens_per_step}")
+
+
+def gpu_plan(head_dim, rows, itemsize, limits, tokens_per_step, interpret, max_tokens, what):
+    """(tokens_per_step, num_stages) of a GPU kernel: the caller's step if given (two stages),
+    else the longest that fits the device's shared memory (see `common.gpu_tiling`). Interpreted
+    kernels keep TOKENS_PER_STEP-sized steps whatever the device."""
+    cap = max(GPU_MIN_ROWS, min(TOKENS_PER_STEP, pl.next_power_of_2(max(1, max_tokens))))
+    if tokens_per_step is not None:
+        return int(tokens_per_step), 2
+    if interpret:
+        return cap, 2
+    plan = gpu_tiling(head_dim, rows, itemsize, limits, cap)
+    if plan is None:
+        raise ValueError(f"{what}: no tiling of head_dim {head_dim} with {rows} query rows fits the "
+                         f"{limits.shared_memory_per_block} bytes of shared memory per block on "
+                         f"{limits.name or 'this GPU'}")
+    return plan
 
 
 def paged_attention_gpu(q, k_pages, v_pages, block_tables, lengths, *, scale=None, interpret=False,
-                        pages_per_block=None, num_splits=None):
+                        tokens_per_step=None, num_splits=None, limits: DeviceLimits | None = None):
     """The Triton-style kernel, with its tuning knobs (see the module docstring).
 
-    pages_per_block: pages gathered per step (a power of two with pages_per_block * block_size
-    >= 16; default TOKENS_PER_STEP tokens' worth, no more than the table needs). num_splits:
-    programs per (sequence, kv head); default 1 when interpreting, else enough to fill the GPU.
+    tokens_per_step: tokens each loop step reads (a power of two >= 16: whole pages when at least a
+    page, else part of one); default: the most, up to TOKENS_PER_STEP, that fits the device's
+    shared memory with a two-stage pipeline. num_splits: programs per (sequence, kv head);
+    default 1 when interpreting, else enough to fill the device's SMs. limits: the device the
+    kernel is compiled for (default: the local one).
     """
     _check_paged(q, k_pages, v_pages, block_tables, lengths)
+    _, interpret, limits = resolve("gpu", interpret, limits)
     block_size, head_dim = k_pages.shape[2], q.shape[2]
     max_blocks = block_tables.shape[1]
+    rows = max(GPU_MIN_ROWS, pl.next_power_of_2(q.shape[1] // k_pages.shape[0]))
+    tokens_per_step, stages = gpu_plan(head_dim, rows, q.dtype.itemsize, limits, tokens_per_step,
+                                       interpret, max_blocks * block_size, "paged_attention")
+    tokens_per_step = fit_step_to_pages(tokens_per_step, block_size)
     if not interpret:
-        _check_triton("k_pages", k_pages.shape, block_size, head_dim)
-    if pages_per_block is None:
-        pages_per_block = min(max(1, TOKENS_PER_STEP // block_size), pl.next_power_of_2(max_blocks))
-        pages_per_block = max(pages_per_block, _cdiv_py(GPU_MIN_ROWS, block_size))
+        check_triton("k_pages", k_pages.shape, head_dim, tokens_per_step, block_size)
     if num_splits is None:
         num_splits = _gpu_num_splits(q.shape[0] * k_pages.shape[0],
-                                     _cdiv_py(max_blocks, pages_per_block), interpret)
-    return _paged_gpu(q, k_pages, v_pages, block_tables, lengths, scale=_scale(scale, head_dim),
-                      interpret=interpret, pages_per_block=int(pages_per_block),
-                      num_splits=int(num_splits))
+                                     ceil_div(max_blocks * block_size, tokens_per_step), interpret,
+                                     limits)
+    return _paged_gpu(q, k_pages, v_pages, block_tables, lengths,
+                      scale=softmax_scale(scale, head_dim), interpret=interpret,
+                      tokens_per_step=int(tokens_per_step), num_splits=int(num_splits),
+                      num_stages=stages)
 
 
 def paged_attention_tpu(q, k_pages, v_pages, block_tables, lengths, *, scale=None, interpret=False,
-                        pages_per_block=None):
+                        pages_per_block=None, limits: DeviceLimits | None = None):
     """The Mosaic-style kernel. pages_per_block: pages copied per double-buffer slot (default
     TOKENS_PER_STEP tokens' worth, no more than the table holds)."""
     _check_paged(q, k_pages, v_pages, block_tables, lengths)
+    _, interpret, limits = resolve("tpu", interpret, limits)
     block_size, head_dim = k_pages.shape[2], q.shape[2]
     if pages_per_block is None:
         pages_per_block = min(max(1, TOKENS_PER_STEP // block_size), block_tables.shape[1])
-    return _paged_tpu(q, k_pages, v_pages, block_tables, lengths, scale=_scale(scale, head_dim),
-                      interpret=interpret, pages_per_block=int(pages_per_block))
+    check_vmem(q.shape[1] // k_pages.shape[0], head_dim, pages_per_block * block_size,
+               q.dtype.itemsize, limits, "paged_attention")
+    return _paged_tpu(q, k_pages, v_pages, block_tables, lengths,
+                      scale=softmax_scale(scale, head_dim), interpret=interpret,
+                      pages_per_block=int(pages_per_block))
 
 
 def contiguous_attention_gpu(q, k, v, lengths, *, scale=None, interpret=False,
-                             tokens_per_step=None, num_splits=None):
+                             tokens_per_step=None, num_splits=None,
+                             limits: DeviceLimits | None = None):
     """The Triton-style kernel over a contiguous cache [B, KVH, max_len, D]."""
     _check_contiguous(q, k, v, lengths)
+    _, interpret, limits = resolve("gpu", interpret, limits)
     max_len, head_dim = k.shape[2], q.shape[2]
-    if tokens_per_step is None:
-        tokens_per_step = max(GPU_MIN_ROWS, min(TOKENS_PER_STEP, pl.next_power_of_2(max_len)))
+    rows = max(GPU_MIN_ROWS, pl.next_power_of_2(q.shape[1] // k.shape[1]))
+    tokens_per_step, stages = gpu_plan(head_dim, rows, q.dtype.itemsize, limits, tokens_per_step,
+                                       interpret, max_len, "contiguous_attention")
     if not interpret:
-        _check_triton("k", k.shape, tokens_per_step, head_dim)
+        check_triton("k", k.shape, head_dim, tokens_per_step)
     if num_splits is None:
-        num_splits = _gpu_num_splits(q.shape[0] * k.shape[1], _cdiv_py(max_len, tokens_per_step),
-                                     interpret)
-    return _contiguous_gpu(q, k, v, lengths, scale=_scale(scale, head_dim), interpret=interpret,
-                           tokens_per_step=int(tokens_per_step), num_splits=int(num_splits))
+        num_splits = _gpu_num_splits(q.shape[0] * k.shape[1], ceil_div(max_len, tokens_per_step),
+                                     interpret, limits)
+    return _contiguous_gpu(q, k, v, lengths, scale=softmax_scale(scale, head_dim),
+                           interpret=interpret, tokens_per_step=int(tokens_per_step),
+                           num_splits=int(num_splits), num_stages=stages)
 
 
 def contiguous_attention_tpu(q, k, v, lengths, *, scale=None, interpret=False,
-                             tokens_per_step=None):
+                             tokens_per_step=None, limits: DeviceLimits | None = None):
     """The Mosaic-style kernel over a contiguous cache [B, KVH, max_len, D]."""
     _check_contiguous(q, k, v, lengths)
+    _, interpret, limits = resolve("tpu", interpret, limits)
     if tokens_per_step is None:  # a multiple of 8 rows, the sublane tile
-        tokens_per_step = min(TOKENS_PER_STEP, _round_up(k.shape[2], 8))
-    return _contiguous_tpu(q, k, v, lengths, scale=_scale(scale, q.shape[2]), interpret=interpret,
-                           tokens_per_step=int(tokens_per_step))
-
-
-def _scale(scale, head_dim):
-    return float(head_dim**-0.5 if scale is None else scale)
+        tokens_per_step = min(TOKENS_PER_STEP, round_up(k.shape[2], 8))
+    check_vmem(q.shape[1] // k.shape[1], q.shape[2], tokens_per_step, q.dtype.itemsize, limits,
+               "contiguous_attention")
+    return _contiguous_tpu(q, k, v, lengths, scale=softmax_scale(scale, q.shape[2]),
+                           interpret=interpret, tokens_per_step=int(tokens_per_step))
 
 
 def _check_paged(q, k_pages, v_pages, block_tables, lengths):
@@ -565,15 +527,17 @@ def _check_contiguous(q, k, v, lengths):
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, variant="auto",
-                    interpret=None):
+                    interpret=None, limits: DeviceLimits | None = None):
     """Decode attention over a paged KV cache; see the module docstring. Returns [B, H, D]."""
-    variant, interpret = _resolve(variant, interpret)
+    variant, interpret, limits = resolve(variant, interpret, limits)
     fn = paged_attention_gpu if variant == "gpu" else paged_attention_tpu
-    return fn(q, k_pages, v_pages, block_tables, lengths, scale=scale, interpret=interpret)
+    return fn(q, k_pages, v_pages, block_tables, lengths, scale=scale, interpret=interpret,
+              limits=limits)
 
 
-def contiguous_attention(q, k, v, lengths, *, scale=None, variant="auto", interpret=None):
+def contiguous_attention(q, k, v, lengths, *, scale=None, variant="auto", interpret=None,
+                         limits: DeviceLimits | None = None):
     """Decode attention over a contiguous cache k, v [B, KVH, max_len, D]. Returns [B, H, D]."""
-    variant, interpret = _resolve(variant, interpret)
+    variant, interpret, limits = resolve(variant, interpret, limits)
     fn = contiguous_attention_gpu if variant == "gpu" else contiguous_attention_tpu
-    return fn(q, k, v, lengths, scale=scale, interpret=interpret)
+    return fn(q, k, v, lengths, scale=scale, interpret=interpret, limits=limits)

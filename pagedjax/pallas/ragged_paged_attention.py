@@ -1,7 +1,8 @@
 """Pallas ragged paged attention: one step's prefill chunks and decode tokens of many sequences.
 
     ragged_paged_attention(q, k_pages, v_pages, block_tables, context_lens, query_start_loc,
-                           num_seqs, *, scale=None, variant="auto", interpret=None) -> [T, H, D]
+                           num_seqs, *, scale=None, variant="auto", interpret=None,
+                           limits=None) -> [T, H, D]
 
 Arguments (T step tokens, S sequence seats, H query heads, KVH kv heads, D head_dim):
   q               [T, H, D]  the step's query tokens, sequence after sequence, padded to T; same
@@ -39,10 +40,12 @@ pages its tile needs, with an online softmax in f32.
 
 Variants (both run on CPU in interpret mode, the default there):
   "gpu"  Triton-style Pallas, lowering through the Pallas Triton backend on NVIDIA GPUs. Grid
-         (query tile, kv head). Pages are gathered `pages_per_block` at a time straight from the
-         pool through the tile's block-table row. Triton's block dims must be powers of two and a
-         dot needs every dimension >= 16: the group is padded to a power of two and a tile has at
-         least 16 rows. No flash-decoding splits: a mixed step has enough tiles to fill the GPU; a
+         (query tile, kv head). K/V are read `tokens_per_step` tokens at a time straight from the
+         pool through the tile's block-table row (whole pages, or part of one). Triton's block
+         dims must be powers of two and a dot needs every dimension >= 16: the group is padded to
+         a power of two and a tile has at least 16 rows. The step and the pipeline depth fit the
+         shared memory of the device `limits` describe; a tile holds at most 64 rows (32 for
+         head_dim 256). No flash-decoding splits: a mixed step has enough tiles to fill the GPU; a
          small decode-only batch may be faster through pagedjax.pallas.paged_attention.
   "tpu"  Mosaic-style Pallas, lowering through Mosaic on TPU. Grid (query tile, kv head). The tile
          table (sequence, first position, kv length per tile) and the flattened block tables are
@@ -52,6 +55,7 @@ Variants (both run on CPU in interpret mode, the default there):
   "auto" "tpu" on a TPU backend, "gpu" otherwise (on CPU it interprets faster).
 interpret=None interprets on CPU and compiles on GPU/TPU; True forces interpretation; a
 pltpu.InterpretParams() runs the TPU variant under the TPU interpreter (checks DMA and semaphores).
+limits: the device the kernel is tiled and compiled for (default: the local one).
 
 Shapes and tuning are static, values are not: new lengths, tables, query_start_loc and num_seqs
 reuse the compiled kernel. Call it inside your own jax.jit step.
@@ -68,22 +72,33 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pagedjax.pallas.paged_attention import (
-    _DTYPES,
+from pagedjax.pallas.common import (
+    DTYPES,
     GPU_MIN_ROWS,
     MASK_VALUE,
+    MAX_TILE_ROWS,
     TOKENS_PER_STEP,
-    _cdiv,
-    _cdiv_py,
-    _check_triton,
-    _dot,
-    _finish,
-    _init_carry,
-    _is_pow2,
-    _resolve,
-    _scale,
+    DeviceLimits,
+    cdiv,
+    ceil_div,
+    check_vmem,
+    concrete,
+    dot,
+    finish,
+    fit_step_to_pages,
+    gpu_page_loader,
+    init_carry,
+    is_pow2,
+    kernel_cost,
     pltriton,
+    pow2_floor,
+    resolve,
+    round_up,
+    softmax_scale,
+    tpu_double_buffered,
+    tpu_page_copies,
 )
+from pagedjax.pallas.paged_attention import check_triton, gpu_plan
 
 __all__ = [
     "ragged_paged_attention",
@@ -92,9 +107,6 @@ __all__ = [
     "default_block_q",
 ]
 
-# The largest query tile, in rows (tokens x padded group): bigger tiles read a chunk's pages fewer
-# times, but a tile's unused rows are wasted work and registers.
-MAX_TILE_ROWS = 64
 # The smallest tile on TPU: one f32 sublane tile of rows.
 TPU_MIN_ROWS = 8
 
@@ -120,7 +132,7 @@ def _attend_causal(q, q_pos0, kv_len, block_q, n, steps, load, scale):
         m_prev, l_prev, acc_prev = carry
         tok0 = i * n
         k, v = load(i, tok0)
-        s = _dot(q, k, ((1,), (1,))) * scale  # [rows, n]
+        s = dot(q, k, ((1,), (1,))) * scale  # [rows, n]
         kv_pos = tok0 + lax.broadcasted_iota(jnp.int32, (rows, n), 1)
         mask = (kv_pos <= q_pos) & (kv_pos < kv_len)
         s = jnp.where(mask, s, MASK_VALUE)
@@ -135,10 +147,10 @@ def _attend_causal(q, q_pos0, kv_len, block_q, n, steps, load, scale):
         # give zeros, as in the reference.
         p = jnp.where(mask, jnp.exp(s - m_next), 0.0)
         l_next = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-        acc_next = alpha * acc_prev + _dot(p.astype(v.dtype), v, ((1,), (0,)))
+        acc_next = alpha * acc_prev + dot(p.astype(v.dtype), v, ((1,), (0,)))
         return m_next, l_next, acc_next
 
-    return lax.fori_loop(0, steps, body, _init_carry(rows, d))
+    return lax.fori_loop(0, steps, body, init_carry(rows, d))
 
 
 def _num_tiles(num_tokens, num_seqs, block_q):
@@ -214,41 +226,39 @@ def _unpack_out(out, num_heads, tile, slot, valid, block_q):
     return o.reshape(o.shape[0], num_heads, d)
 
 
+def _ragged_cost(num_tiles, rows, kvh, d, capacity, q, block_tables):
+    """Every tile reading the whole table: QK^T and PV of its rows, one exp per score, its pages
+    read once per kv head; plus the step's q, output and tables."""
+    return kernel_cost(flops=4 * num_tiles * kvh * rows * capacity * d,
+                       transcendentals=num_tiles * kvh * rows * capacity,
+                       bytes_accessed=2 * num_tiles * kvh * capacity * d * q.dtype.itemsize
+                       + 2 * q.size * q.dtype.itemsize + block_tables.size * 4)
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU (Triton-style) kernel
 # ---------------------------------------------------------------------------------------------
 
 
-def _gpu_kernel(q_pos_ref, kv_len_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, scale, block_q,
-                pages_per_block):
+def _gpu_kernel(q_pos_ref, kv_len_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, scale, block_q, n):
     """One program: query tile i, kv head h.
 
     q_pos_ref, kv_len_ref int32[num_tiles] (whole arrays); bt_ref int32[padded max_blocks] (the
     tile's sequence's row); q_ref, o_ref [rows, D]; k_ref, v_ref [KVH, num_blocks, bs, D] (whole,
-    gathered through the table).
+    gathered through the table), read n tokens a step.
     """
     i, h = pl.program_id(0), pl.program_id(1)
-    d = q_ref.shape[1]
-    block_size = k_ref.shape[2]
-    n = pages_per_block * block_size
     kv_len = kv_len_ref[i]
-    num_pages = _cdiv(kv_len, block_size)
-
-    def load(step, tok0):
-        page0 = lax.div(tok0, block_size)
-        idx = page0 + lax.broadcasted_iota(jnp.int32, (pages_per_block,), 0)
-        # Entries past the sequence's last page may be stale: follow the null block instead.
-        pages = jnp.where(idx < num_pages, bt_ref[pl.ds(page0, pages_per_block)], 0)
-        return k_ref[h, pages].reshape(n, d), v_ref[h, pages].reshape(n, d)
-
-    m, l, acc = _attend_causal(q_ref[...], q_pos_ref[i], kv_len, block_q, n, _cdiv(kv_len, n),
+    load = gpu_page_loader(k_ref, v_ref, bt_ref, h, cdiv(kv_len, k_ref.shape[2]), n)
+    m, l, acc = _attend_causal(q_ref[...], q_pos_ref[i], kv_len, block_q, n, cdiv(kv_len, n),
                                load, scale)
-    o_ref[...] = _finish(acc, l, o_ref.dtype)
+    o_ref[...] = finish(acc, l, o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_q", "pages_per_block"))
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_q", "tokens_per_step",
+                                             "num_stages"))
 def _ragged_gpu(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, num_seqs, *,
-                scale, interpret, block_q, pages_per_block):
+                scale, interpret, block_q, tokens_per_step, num_stages):
     t_total, h, d = q.shape
     kvh, _, block_size, _ = k_pages.shape
     s_total, max_blocks = block_tables.shape
@@ -259,24 +269,25 @@ def _ragged_gpu(q, k_pages, v_pages, block_tables, context_lens, query_start_loc
         context_lens, query_start_loc, num_seqs, num_tokens=t_total, block_q=block_q,
         num_tiles=num_tiles, capacity=max_blocks * block_size)
     qt = _pack_q(q, kvh, group_rows, first, ntok, block_q)
-    # Each tile's block-table row, padded so every step's slice of pages_per_block entries is in
-    # bounds (the padding is 0, the null block, and masked anyway).
-    bt = jnp.pad(block_tables[seq],
-                 ((0, 0), (0, -(-max_blocks // pages_per_block) * pages_per_block - max_blocks)))
+    # Each tile's block-table row, padded so every step's slice of pages is in bounds (the
+    # padding is 0, the null block, and masked anyway).
+    pages_per_step = max(1, tokens_per_step // block_size)
+    bt = jnp.pad(block_tables[seq], ((0, 0), (0, round_up(max_blocks, pages_per_step) - max_blocks)))
     whole = pl.no_block_spec  # the whole array: the kernel indexes or gathers it itself
     tile_spec = pl.BlockSpec((None, None, rows, d), lambda i, h_: (i, h_, 0, 0))
     params = None
     if pltriton is not None:
-        params = pltriton.CompilerParams(num_warps=4, num_stages=2)
+        params = pltriton.CompilerParams(num_warps=4, num_stages=num_stages)
     out = pl.pallas_call(
-        functools.partial(_gpu_kernel, scale=scale, block_q=block_q,
-                          pages_per_block=pages_per_block),
+        functools.partial(_gpu_kernel, scale=scale, block_q=block_q, n=tokens_per_step),
         grid=(num_tiles, kvh),
         in_specs=[whole, whole, pl.BlockSpec((None, bt.shape[1]), lambda i, h_: (i, 0)),
                   tile_spec, whole, whole],
         out_specs=tile_spec,
         out_shape=jax.ShapeDtypeStruct(qt.shape, q.dtype),
         compiler_params=params,
+        cost_estimate=_ragged_cost(num_tiles, rows, kvh, d, max_blocks * block_size, q,
+                                   block_tables),
         interpret=interpret,
         name="ragged_paged_attention_gpu",
     )(q_pos0, kv_len, bt, qt, k_pages, v_pages)
@@ -298,50 +309,16 @@ def _tpu_kernel(seq_ref, q_pos_ref, kv_len_ref, bt_ref, q_ref, k_hbm, v_hbm, o_r
     semaphores [2 (k, v), 2 (slot)]. Every tile of a sequence reads its pages again.
     """
     i, h = pl.program_id(0), pl.program_id(1)
-    d = q_ref.shape[1]
     block_size = k_hbm.shape[2]
     n = pages_per_block * block_size
-    seq, kv_len = seq_ref[i], kv_len_ref[i]
-    num_pages = _cdiv(kv_len, block_size)
-    steps = _cdiv(kv_len, n)
-
-    def copies(step, slot):
-        # One DMA per page; a slot's copies all signal one semaphore and are waited one by one.
-        # A step's pages past the tile's end copy the null block (in bounds, then masked).
-        out = []
-        for j in range(pages_per_block):
-            idx = step * pages_per_block + j
-            entry = bt_ref[seq * max_blocks + jnp.minimum(idx, max_blocks - 1)]
-            page = jnp.where(idx < num_pages, entry, 0)
-            for hbm, buf, sem in ((k_hbm, k_buf, sems.at[0, slot]),
-                                  (v_hbm, v_buf, sems.at[1, slot])):
-                out.append(pltpu.make_async_copy(hbm.at[h, page], buf.at[slot, j], sem))
-        return out
-
-    @pl.when(steps > 0)
-    def _():
-        for c in copies(0, 0):
-            c.start()
-
-    def load(step, tok0):
-        slot = lax.rem(step, 2)
-
-        @pl.when(step + 1 < steps)
-        def _():
-            for c in copies(step + 1, 1 - slot):
-                c.start()
-
-        for c in copies(step, slot):
-            c.wait()
-        # Compute in f32: Mosaic merges [pages, bs, D] into [pages * bs, D] cleanly only on
-        # 32-bit tiles (a bf16 tile is 16 rows, which an 8-token block would straddle).
-        k = k_buf[slot].astype(jnp.float32).reshape(n, d)
-        v = v_buf[slot].astype(jnp.float32).reshape(n, d)
-        return k, v
-
+    kv_len = kv_len_ref[i]
+    steps = cdiv(kv_len, n)
+    copies = tpu_page_copies(bt_ref, seq_ref[i], max_blocks, cdiv(kv_len, block_size),
+                             pages_per_block, h, k_hbm, v_hbm, k_buf, v_buf, sems)
+    load = tpu_double_buffered(k_buf, v_buf, n, steps, copies)
     q = q_ref[...].astype(jnp.float32)
     m, l, acc = _attend_causal(q, q_pos_ref[i], kv_len, block_q, n, steps, load, scale)
-    o_ref[...] = _finish(acc, l, o_ref.dtype)
+    o_ref[...] = finish(acc, l, o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_q", "pages_per_block"))
@@ -374,6 +351,8 @@ def _ragged_tpu(q, k_pages, v_pages, block_tables, context_lens, query_start_loc
         out_shape=jax.ShapeDtypeStruct(qt.shape, q.dtype),
         # Each program starts and waits all of its own copies, so programs are independent.
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        cost_estimate=_ragged_cost(num_tiles, rows, kvh, d, max_blocks * block_size, q,
+                                   block_tables),
         interpret=interpret,
         name="ragged_paged_attention_tpu",
     )(seq, q_pos0, kv_len, block_tables.reshape(-1), qt, k_pages, v_pages)
@@ -385,24 +364,19 @@ def _ragged_tpu(q, k_pages, v_pages, block_tables, context_lens, query_start_loc
 # ---------------------------------------------------------------------------------------------
 
 
-def _pow2_floor(x):
-    return 1 << (max(1, int(x)).bit_length() - 1)
+def max_tile_rows(head_dim):
+    """The largest query tile, in rows: MAX_TILE_ROWS, halved for head_dim 256 (a tile's q and
+    accumulator hold rows x head_dim values each, in registers on a GPU)."""
+    return max(GPU_MIN_ROWS, min(MAX_TILE_ROWS, MAX_TILE_ROWS * 128 // max(head_dim, 128)))
 
 
-def default_block_q(num_tokens, num_seqs, group_rows, min_rows):
+def default_block_q(num_tokens, num_seqs, group_rows, min_rows, max_rows=MAX_TILE_ROWS):
     """Tokens per query tile: about the mean tokens per sequence (T / S, so a decode-only step gets
-    the smallest tile), at least min_rows rows and at most MAX_TILE_ROWS, a power of two."""
-    lo = pl.next_power_of_2(_cdiv_py(min_rows, group_rows))
-    hi = max(lo, _pow2_floor(MAX_TILE_ROWS // group_rows))
-    want = pl.next_power_of_2(max(1, _cdiv_py(num_tokens, max(num_seqs, 1))))
+    the smallest tile), at least min_rows rows and at most max_rows, a power of two."""
+    lo = pl.next_power_of_2(ceil_div(min_rows, group_rows))
+    hi = max(lo, pow2_floor(max_rows // group_rows))
+    want = pl.next_power_of_2(max(1, ceil_div(num_tokens, max(num_seqs, 1))))
     return int(min(max(want, lo), hi, max(lo, pl.next_power_of_2(max(num_tokens, 1)))))
-
-
-def _concrete(x):
-    try:
-        return np.asarray(x)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return None
 
 
 def _check(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, num_seqs):
@@ -426,7 +400,7 @@ def _check(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, num
     if num_kv_heads == 0 or num_heads % num_kv_heads:
         raise ValueError(f"num_heads % num_kv_heads != 0: q has shape {q.shape} ({num_heads} "
                          f"heads) but k_pages has shape {k_pages.shape} ({num_kv_heads} kv heads)")
-    if not (q.dtype == k_pages.dtype == v_pages.dtype) or q.dtype not in _DTYPES:
+    if not (q.dtype == k_pages.dtype == v_pages.dtype) or q.dtype not in DTYPES:
         raise ValueError(f"q, k_pages and v_pages must share one float dtype of f32/bf16/f16; "
                          f"got {q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
     if getattr(block_tables, "dtype", None) != jnp.int32 or block_tables.ndim != 2:
@@ -449,14 +423,14 @@ def _check(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, num
         raise ValueError(f"num_seqs must be an integer scalar; got {jnp.result_type(num_seqs)}"
                          f"{list(np.shape(num_seqs))}")
 
-    n_live = _concrete(num_seqs)
+    n_live = concrete(num_seqs)
     if n_live is None:
         return jnp.asarray(num_seqs, jnp.int32)
     n_live = int(n_live)
     if not 0 <= n_live <= s_total:
         raise ValueError(f"num_seqs must lie in [0, {s_total}] (block_tables has shape "
                          f"{block_tables.shape}); got {n_live}")
-    qsl, lens = _concrete(query_start_loc), _concrete(context_lens)
+    qsl, lens = concrete(query_start_loc), concrete(context_lens)
     if qsl is not None:
         live_qsl = qsl[: n_live + 1]
         if live_qsl[0] < 0 or np.any(np.diff(live_qsl) < 0) or live_qsl[-1] > num_tokens:
@@ -476,65 +450,72 @@ def _check(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, num
     return jnp.asarray(num_seqs, jnp.int32)
 
 
-def _tuning(q, k_pages, block_tables, block_q, pages_per_block, min_rows, group_rows):
-    block_size = k_pages.shape[2]
+def _block_q(q, k_pages, block_tables, block_q, min_rows, group_rows):
     if block_q is None:
-        block_q = default_block_q(q.shape[0], block_tables.shape[0], group_rows, min_rows)
-    if not _is_pow2(block_q):
+        block_q = default_block_q(q.shape[0], block_tables.shape[0], group_rows, min_rows,
+                                  max_tile_rows(q.shape[2]))
+    if not is_pow2(block_q):
         raise ValueError(f"block_q must be a power of two; got {block_q}")
-    if pages_per_block is None:
-        pages_per_block = min(max(1, TOKENS_PER_STEP // block_size),
-                              pl.next_power_of_2(block_tables.shape[1]))
-        pages_per_block = max(pages_per_block, _cdiv_py(GPU_MIN_ROWS, block_size))
-    return int(block_q), int(pages_per_block)
+    return int(block_q)
 
 
 def ragged_paged_attention_gpu(q, k_pages, v_pages, block_tables, context_lens, query_start_loc,
                                num_seqs, *, scale=None, interpret=False, block_q=None,
-                               pages_per_block=None):
+                               tokens_per_step=None, limits: DeviceLimits | None = None):
     """The Triton-style kernel, with its tuning knobs (see the module docstring).
 
     block_q: tokens per query tile (a power of two; tile rows = block_q x the group padded to a
-    power of two, at least 16). pages_per_block: pages gathered per step (a power of two with
-    pages_per_block * block_size >= 16; default TOKENS_PER_STEP tokens' worth).
+    power of two, at least 16). tokens_per_step: kv tokens each loop step reads (a power of two
+    >= 16: whole pages when at least a page, else part of one); default: the most, up to
+    TOKENS_PER_STEP, that fits the device's shared memory with a two-stage pipeline. limits: the
+    device the kernel is compiled for (default: the local one).
     """
     num_seqs = _check(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, num_seqs)
+    _, interpret, limits = resolve("gpu", interpret, limits)
+    block_size, head_dim = k_pages.shape[2], q.shape[2]
     group_rows = pl.next_power_of_2(q.shape[1] // k_pages.shape[0])
-    block_q, pages_per_block = _tuning(q, k_pages, block_tables, block_q, pages_per_block,
-                                       GPU_MIN_ROWS, group_rows)
+    block_q = _block_q(q, k_pages, block_tables, block_q, GPU_MIN_ROWS, group_rows)
+    rows = group_rows * block_q
+    tokens_per_step, stages = gpu_plan(head_dim, rows, q.dtype.itemsize, limits, tokens_per_step,
+                                       interpret, block_tables.shape[1] * block_size,
+                                       "ragged_paged_attention")
+    tokens_per_step = fit_step_to_pages(tokens_per_step, block_size)
     if not interpret:
-        _check_triton("k_pages", k_pages.shape, k_pages.shape[2], q.shape[2])
-        n = pages_per_block * k_pages.shape[2]
-        if min(group_rows * block_q, n) < GPU_MIN_ROWS or not _is_pow2(pages_per_block):
+        check_triton("k_pages", k_pages.shape, head_dim, tokens_per_step, block_size)
+        if rows < GPU_MIN_ROWS:
             raise ValueError(f"the compiled gpu variant needs query tiles of >= {GPU_MIN_ROWS} "
-                             f"rows and a power-of-two pages_per_block covering >= {GPU_MIN_ROWS} "
-                             f"tokens; got block_q {block_q} x group {group_rows}, "
-                             f"pages_per_block {pages_per_block} of {k_pages.shape[2]} tokens")
+                             f"rows; got block_q {block_q} x group {group_rows}")
     return _ragged_gpu(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, num_seqs,
-                       scale=_scale(scale, q.shape[2]), interpret=interpret, block_q=block_q,
-                       pages_per_block=pages_per_block)
+                       scale=softmax_scale(scale, head_dim), interpret=interpret, block_q=block_q,
+                       tokens_per_step=int(tokens_per_step), num_stages=stages)
 
 
 def ragged_paged_attention_tpu(q, k_pages, v_pages, block_tables, context_lens, query_start_loc,
                                num_seqs, *, scale=None, interpret=False, block_q=None,
-                               pages_per_block=None):
+                               pages_per_block=None, limits: DeviceLimits | None = None):
     """The Mosaic-style kernel. block_q: tokens per query tile (a power of two); pages_per_block:
     pages copied per double-buffer slot (default TOKENS_PER_STEP tokens' worth)."""
     num_seqs = _check(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, num_seqs)
+    _, interpret, limits = resolve("tpu", interpret, limits)
+    block_size = k_pages.shape[2]
     group_rows = q.shape[1] // k_pages.shape[0]
-    block_q, pages_per_block = _tuning(q, k_pages, block_tables, block_q, pages_per_block,
-                                       TPU_MIN_ROWS, group_rows)
-    pages_per_block = min(pages_per_block, block_tables.shape[1])
+    block_q = _block_q(q, k_pages, block_tables, block_q, TPU_MIN_ROWS, group_rows)
+    if pages_per_block is None:
+        pages_per_block = max(1, TOKENS_PER_STEP // block_size)
+    pages_per_block = int(min(pages_per_block, block_tables.shape[1]))
+    check_vmem(group_rows * block_q, q.shape[2], pages_per_block * block_size, q.dtype.itemsize,
+               limits, "ragged_paged_attention")
     return _ragged_tpu(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, num_seqs,
-                       scale=_scale(scale, q.shape[2]), interpret=interpret, block_q=block_q,
+                       scale=softmax_scale(scale, q.shape[2]), interpret=interpret, block_q=block_q,
                        pages_per_block=pages_per_block)
 
 
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, context_lens, query_start_loc,
-                           num_seqs, *, scale=None, variant="auto", interpret=None):
+                           num_seqs, *, scale=None, variant="auto", interpret=None,
+                           limits: DeviceLimits | None = None):
     """Causal attention for a step's tokens of many sequences; see the module docstring.
     Returns [T, H, D] in q's dtype."""
-    variant, interpret = _resolve(variant, interpret)
+    variant, interpret, limits = resolve(variant, interpret, limits)
     fn = ragged_paged_attention_gpu if variant == "gpu" else ragged_paged_attention_tpu
     return fn(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, num_seqs,
-              scale=scale, interpret=interpret)
+              scale=scale, interpret=interpret, limits=limits)

@@ -24,7 +24,6 @@ never-written cache slots may hold anything.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
