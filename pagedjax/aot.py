@@ -35,22 +35,29 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.resources
+import os
 import time
 from collections.abc import Callable
 from typing import Any
 
-import jax
-import jax.extend
-import jax.numpy as jnp
-import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+# libtpu takes a lock file that lets one process at a time load it, for the TPU it drives. A
+# process that only compiles (JAX_PLATFORMS=cpu: no TPU is driven) does not need it, and with it
+# the tests and a report could not compile side by side.
+if os.environ.get("JAX_PLATFORMS", "").strip() == "cpu":
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-from pagedjax.pallas.common import DeviceLimits
+import jax  # noqa: E402
+import jax.extend  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from pagedjax.pallas.common import DeviceLimits  # noqa: E402
 
 __all__ = ["Chip", "Target", "TARGETS", "Compiled", "get_target", "devices", "compile",
-           "abstract", "available", "compile_engine_step", "StepCost", "roofline", "model_shapes", "pairwise",
-           "kernel_cases", "compile_kernel", "KERNEL_FACTORS", "KERNELS"]
+           "abstract", "available", "installed", "compile_engine_step", "StepCost", "roofline", "model_shapes", "pairwise",
+           "kernel_cases", "compile_kernel", "KERNEL_FACTORS", "KERNELS", "scatter_correction"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +133,13 @@ def get_target(target: str | Target) -> Target:
 
 def _target_config(filename: str) -> str:
     return importlib.resources.files("pagedjax").joinpath("targets", filename).read_text()
+
+
+def installed(platform: str) -> bool:
+    """Whether the deviceless compiler for "tpu" (libtpu) or "gpu" (the CUDA plugin) is installed."""
+    import importlib.util
+
+    return importlib.util.find_spec("libtpu" if platform == "tpu" else "jax_cuda12_plugin") is not None
 
 
 @functools.lru_cache(maxsize=None)
@@ -386,12 +400,13 @@ def model_shapes() -> dict[str, Any]:
 class StepCost:
     """One engine step compiled for a target, with its cost for the model's full depth."""
 
-    program: Compiled          # the full-depth step (its memory analysis is the real one)
-    flops: float
+    program: Compiled          # the step as the engine runs it (layer loop; greedy sampling)
+    flops: float               # the step's, every layer counted
     bytes_accessed: float
     transcendentals: float
     weight_bytes: int          # per device
     kv_pool_bytes: int         # per device
+    sampler: Compiled          # the second call when a row samples (temperature > 0)
 
 
 def compile_engine_step(target: str | Target, cfg, *, num_tokens: int, num_seqs: int, pages: int,
@@ -399,16 +414,22 @@ def compile_engine_step(target: str | Target, cfg, *, num_tokens: int, num_seqs:
                         tensor_parallel_size: int = 1, backend: str = "pallas",
                         with_costs: bool = True) -> StepCost:
     """Compile the engine's whole step (model, paged attention, greedy sampling and top
-    logprobs) plus its sampler for `target`, with abstract weights and an abstract KV pool of
+    logprobs) and its sampler (top-k/top-p/min-p draws, a second call) for `target`, with abstract weights and an abstract KV pool of
     num_blocks blocks: nothing is materialized. The bucket is (num_tokens T, num_seqs S, pages P
     block-table columns). tensor_parallel_size N > 1 splits heads over the target's first N
     devices as the engine does (pagedjax.parallel).
 
-    Costs: XLA counts the scanned layer loop's body once, so the step is also compiled with 0 and
-    1 layers (same bucket) and the cost for L layers is cost(0) + L * (cost(1) - cost(0)).
-    with_costs=False skips those two compiles (cost then counts the loop body once).
+    Costs: XLA counts a loop body once, whatever its trip count, so a step's cost is taken from the
+    same step compiled with its layers laid out one after another (unroll=True: the same
+    computation without the loop; its memory analysis equals the looped one's where measured).
+    with_costs=False skips that compile (cost then counts the loop body once). On a GPU target
+    the cost comes from XLA's generic HLO cost analysis, which counts a scatter as reading and
+    writing its whole operand; the step's per-layer K and V writes are in place (XLA:TPU's own
+    cost analysis counts them so), so for backends that write in the loop the pool-sized terms
+    of each write are taken back and its rows counted instead (`scatter_correction`).
     """
     from pagedjax import parallel
+    from pagedjax.attention import make_attention
     from pagedjax.model.llama import param_shapes
     from pagedjax.runner import make_step, resample_step, step_input_arrays, SAMPLING_INPUTS
 
@@ -418,18 +439,19 @@ def compile_engine_step(target: str | Target, cfg, *, num_tokens: int, num_seqs:
     mesh = parallel.make_mesh(n, devices(t, n)) if n > 1 else Mesh(np.asarray(devices(t, 1)), ("x",))
     replicated = NamedSharding(mesh, P())
 
-    def programs(c):
+    attention = make_attention(backend)
+
+    def programs(c, unroll=False):
         shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), param_shapes(c),
                               is_leaf=lambda s: isinstance(s, tuple))
-        pool = jax.ShapeDtypeStruct((c.num_layers, c.num_kv_heads, num_blocks, block_size, c.head_dim),
-                                    dtype)
+        pool = jax.ShapeDtypeStruct((c.num_layers, c.num_kv_heads, num_blocks, block_size, c.head_dim), dtype)
         if n > 1:
             params = abstract(shapes, parallel.param_shardings(shapes, mesh))
             kv = abstract((pool, pool), parallel.kv_sharding(mesh))
         else:
             params, kv = abstract(shapes, replicated), abstract((pool, pool), replicated)
         inputs = abstract(step_input_arrays(num_tokens, num_seqs, pages), replicated)
-        step = make_step(c, backend=backend, mesh=mesh if n > 1 else None, limits=t.limits)
+        step = make_step(c, backend=backend, mesh=mesh if n > 1 else None, limits=t.limits, unroll=unroll)
         return params, kv, inputs, step
 
     params, kv, inputs, step = programs(cfg)
@@ -444,17 +466,26 @@ def compile_engine_step(target: str | Target, cfg, *, num_tokens: int, num_seqs:
     def total(p: Compiled):
         return np.array([p.cost["flops"], p.cost["bytes_accessed"], p.cost["transcendentals"]])
 
-    cost = total(program) + total(sampler)
+    cost = total(program)
+    layers = 1
     if with_costs:
-        def depth(k):
-            p, kv_, inp, st = programs(dataclasses.replace(cfg, num_layers=k))
-            return total(compile(st, p, kv_, inp, target=t, mesh=mesh))
-
-        zero, one = depth(0), depth(1)
-        cost = zero + cfg.num_layers * (one - zero) + total(sampler)
+        p, kv_, inp, st = programs(cfg, unroll=True)
+        cost = total(compile(st, p, kv_, inp, target=t, mesh=mesh))
+        layers = cfg.num_layers
     weights = parallel.param_bytes_per_device(params, n)
     pool = parallel.kv_bytes_per_device(cfg, num_blocks, block_size, dtype, n)
-    return StepCost(program, float(cost[0]), float(cost[1]), float(cost[2]), weights, pool)
+    if t.platform == "gpu" and attention.writes_kv:
+        rows = 2 * num_tokens * (cfg.num_kv_heads // n) * cfg.head_dim * jnp.dtype(dtype).itemsize
+        cost[1] -= layers * scatter_correction(pool, rows)
+    return StepCost(program, float(cost[0]), float(cost[1]), float(cost[2]), weights, pool, sampler)
+
+
+def scatter_correction(operand_bytes: int, update_bytes: int) -> int:
+    """What XLA's generic HLO cost analysis over-counts for in-place scatters of `update_bytes`
+    into operands of `operand_bytes` in all: it counts operand + output + updates, where an
+    in-place scatter reads its updates and writes as many bytes. Measured in tests/test_aot.py
+    on a lone donated scatter compiled for an H100."""
+    return 2 * operand_bytes - update_bytes
 
 
 def roofline(chip: Chip, flops: float, bytes_accessed: float) -> dict[str, float]:

@@ -31,7 +31,7 @@ class EngineConfig:
     scheduling: Literal["continuous", "static"] = "continuous"
     allocation: Literal["paged", "contiguous"] = "paged"
     contiguous_reserve: Literal["max_model_len", "request"] = "max_model_len"
-    attention_backend: Literal["auto", "pallas", "reference", "native"] = "auto"
+    attention_backend: Literal["auto", "pallas", "reference", "native", "jnp"] = "auto"   # see pagedjax.attention
     token_buckets: tuple[int, ...] | None = None   # padded sizes of a step's token count T
     seq_buckets: tuple[int, ...] | None = None     # padded sizes of a step's sequence count S
     page_buckets: tuple[int, ...] | None = None    # padded widths of the block tables handed to attention
@@ -61,8 +61,8 @@ class EngineConfig:
         need(self.allocation in ("paged", "contiguous"), "allocation", "'paged' or 'contiguous'")
         need(self.contiguous_reserve in ("max_model_len", "request"), "contiguous_reserve",
              "'max_model_len' or 'request'")
-        need(self.attention_backend in ("auto", "pallas", "reference", "native"), "attention_backend",
-             "'auto', 'pallas', 'reference' or 'native'")
+        need(self.attention_backend in ("auto", "pallas", "reference", "native", "jnp"), "attention_backend",
+             "'auto', 'pallas', 'reference', 'native' or 'jnp'")
         need(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1, "tensor_parallel_size",
              "an int >= 1")
         if self.token_buckets is None:

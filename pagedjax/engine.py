@@ -30,7 +30,8 @@ from pagedjax.metrics import RequestRecord
 from pagedjax.model.llama import ModelConfig, init_random_params
 from pagedjax.pallas.common import check_supported, device_limits
 from pagedjax.parallel import check_tensor_parallel, param_bytes_per_device
-from pagedjax.runner import ModelRunner, resolve_backend
+from pagedjax.attention import resolve_backend
+from pagedjax.runner import ModelRunner
 from pagedjax.sampling_params import SamplingParams
 from pagedjax.scheduler.batch import BatchPacker
 from pagedjax.scheduler.scheduler import Scheduler

@@ -1,9 +1,9 @@
 """Tensor parallelism on a JAX mesh: one host scheduler, a sharded device step.
 
     mesh = make_mesh(tensor_parallel_size)          # axes ("dp", "tp"), shape (1, N)
-    params = shard_params(params, cfg, mesh)        # heads and MLP columns split, see param_specs
+    params = shard_params(params, mesh)             # heads and MLP columns split, see param_spec
     kv_cache = init_sharded_kv_cache(cfg, mesh, num_blocks, block_size, dtype)   # split on kv heads
-    attention_fn = shard_attention(kernel_attention, mesh)   # the kernel per shard, in shard_map
+    attention = make_attention("pallas", mesh=mesh)        # the kernel per shard, in shard_map
 
 What is split (Megatron-style, as vLLM does it):
   q_proj, k_proj, v_proj, gate_proj, up_proj  [L, in, out]  column-split: P(None, None, "tp"), so
@@ -44,7 +44,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pagedjax.model.llama import AttentionMetadata, ModelConfig, init_kv_cache
+from pagedjax.attention.cache import init_kv_cache
+from pagedjax.model.llama import ModelConfig
 
 DATA_AXIS = "dp"
 TP_AXIS = "tp"
@@ -145,14 +146,15 @@ def param_bytes_per_device(params: Any, tensor_parallel_size: int = 1) -> int:
 
 
 def shard_attention(attention_fn: Callable, mesh: Mesh) -> Callable:
-    """`attention_fn(q [T, H, D], k_pages, v_pages [KVH, num_blocks, block_size, D], attn)` run
-    per device on its H/N query heads and KVH/N kv heads; the metadata is replicated, so every
-    shard follows the same block tables."""
+    """A layer's attention `attention_fn(q [T, H, D], k, v [T, KVH, D], kv_cache, layer, meta) ->
+    (o, kv_cache)` run per device on its H/N query heads, its KVH/N kv heads and its slice of the
+    stacked pool [L, KVH, ...]; the layer index and the metadata are replicated, so every shard
+    follows the same block tables."""
     heads = P(None, TP_AXIS, None)
-    pool = P(TP_AXIS)
+    pool = (P(None, TP_AXIS), P(None, TP_AXIS))
 
-    def sharded(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, attn: AttentionMetadata) -> jax.Array:
-        return jax.shard_map(attention_fn, mesh=mesh, in_specs=(heads, pool, pool, P()), out_specs=heads,
-                             check_vma=False)(q, k_pages, v_pages, attn)
+    def sharded(q, k, v, kv_cache, layer, meta):
+        return jax.shard_map(attention_fn, mesh=mesh, in_specs=(heads, heads, heads, pool, P(), P()),
+                             out_specs=(heads, pool), check_vma=False)(q, k, v, kv_cache, layer, meta)
 
     return sharded

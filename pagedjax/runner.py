@@ -7,22 +7,15 @@ the new K/V are written in place. Which requests run only changes the values of 
 after `warmup()` has compiled every bucket, requests joining and leaving never compile again
 (`num_compilations` counts every trace in the process).
 
-Attention backends:
-  "reference"  the pool is read inside the layer loop (only the pages each token needs) and the
-               step's K/V are written once after it (`forward_split`), all in XLA ops.
-  "native"     the same split step, with each layer's attention (cached pages and the step's own
-               K/V) one C++ call through jax.ffi (pagedjax/native): the fast path on a CPU.
-  "pallas"     each layer writes its K/V into the pool, then every token (prefill chunks and
-               decodes) goes through the ragged Pallas kernel. In interpret mode on a CPU.
-  "auto"       "native" on CPU ("reference" if it cannot be built, or with tensor parallelism),
-               "pallas" on GPU/TPU.
+The model's attention is one backend object of pagedjax.attention ("pallas", "native",
+"reference", "jnp"; "auto" resolved there), a static argument of the step.
 Copy-on-write copies, swap-out and swap-in move whole blocks with small jitted functions over
 padded index arrays (padding copies the null block onto itself).
 
 Tensor parallelism (`config.tensor_parallel_size` N > 1, see pagedjax/parallel.py): params and the
 pool are placed with their NamedShardings on a ("dp", "tp") mesh, the step inputs replicated; the
-same jitted functions run, with `mesh` as a static argument that puts the Pallas kernel under
-shard_map and pins the pool's and the logits' shardings. N = 1 takes exactly the unsharded path.
+same jitted functions run, with `mesh` as a static argument that pins the pool's and the logits'
+shardings (the Pallas backend holds the mesh too and runs its kernel under shard_map). N = 1 takes exactly the unsharded path.
 """
 
 from __future__ import annotations
@@ -36,11 +29,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pagedjax import native, parallel
+from pagedjax import parallel
+from pagedjax.attention import AttentionMetadata, init_kv_cache, make_attention, resolve_backend
 from pagedjax.config import EngineConfig
+from pagedjax.model.llama import ModelConfig, compute_logits, forward
 from pagedjax.pallas.common import DeviceLimits, device_limits
-from pagedjax.model.llama import (AttentionMetadata, ModelConfig, compute_logits, forward, forward_split,
-                                  init_kv_cache, xla_attention)
 from pagedjax.sampling import greedy, resample
 from pagedjax.scheduler.batch import StepInput
 from pagedjax.scheduler.scheduler import SchedulerOutput
@@ -48,41 +41,6 @@ from pagedjax.scheduler.scheduler import SchedulerOutput
 logger = logging.getLogger(__name__)
 
 COPY_BUCKETS = (8, 64, 512)
-
-
-def resolve_backend(backend: str, tensor_parallel_size: int = 1) -> str:
-    """The backend an engine runs: "auto" is "native" on a CPU when the kernel builds and the heads
-    are not split over devices (an FFI call has no sharding rule), else "reference"; "pallas"
-    on a GPU or TPU. An explicit "native" that cannot run is an error that says why."""
-    if backend == "auto":
-        if jax.default_backend() != "cpu":
-            return "pallas"
-        return "native" if tensor_parallel_size == 1 and native.available() else "reference"
-    if backend not in ("reference", "pallas", "native"):
-        raise ValueError(f"attention_backend must be 'auto', 'pallas', 'reference' or 'native', got {backend!r}")
-    if backend == "native":
-        if jax.default_backend() != "cpu":
-            raise ValueError(f"attention_backend='native' is a CPU kernel; this process runs on "
-                             f"{jax.default_backend()!r} (use 'auto' or 'pallas')")
-        if tensor_parallel_size != 1:
-            raise ValueError(f"attention_backend='native' needs tensor_parallel_size 1, got {tensor_parallel_size} "
-                             "(use 'reference' to split heads over devices)")
-        if not native.available():
-            raise ValueError(f"attention_backend='native': the CPU kernel could not be built: "
-                             f"{native.unavailable_reason()}")
-    return backend
-
-
-def _pallas_attention(q, k_cache, v_cache, attn: AttentionMetadata, *, limits: DeviceLimits):
-    """Every token of the step, prefill chunks and decodes alike, through the ragged Pallas
-    kernel tiled for the device `limits` describe; it reads the pool, which already holds this
-    step's K/V. (Whether decode-only steps are faster through the decode kernel,
-    `paged_attention`, is for a GPU run of scripts/bench_kernel.py --ragged to say; until
-    measured, one kernel serves all.)"""
-    from pagedjax.pallas import ragged_paged_attention
-
-    return ragged_paged_attention(q, k_cache, v_cache, attn.block_tables, attn.context_lens,
-                                  attn.query_start_loc, attn.num_seqs, limits=limits)
 
 
 class _Counter:
@@ -105,24 +63,14 @@ def _keep_pool_sharding(kv_cache, mesh):
     return jax.lax.with_sharding_constraint(kv_cache, (parallel.kv_sharding(mesh),) * len(kv_cache))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "backend", "num_logprobs", "logits_hook", "mesh", "limits"),
+@functools.partial(jax.jit, static_argnames=("cfg", "attention", "num_logprobs", "logits_hook", "mesh", "unroll"),
                    donate_argnums=(1,))
-def _step_fn(params, kv_cache, a, *, cfg, backend, num_logprobs, logits_hook, mesh=None, limits=None):
+def _step_fn(params, kv_cache, a, *, cfg, attention, num_logprobs, logits_hook, mesh=None, unroll=False):
     _trace()
-    attn = AttentionMetadata(a["slot_mapping"], a["block_tables"], a["context_lens"],
+    meta = AttentionMetadata(a["slot_mapping"], a["block_tables"], a["context_lens"],
                              a["query_start_loc"], a["num_seqs"])
-    if backend in ("reference", "native"):
-        # "reference" is sharded by GSPMD alone: the pages are gathered along the (split) kv-head
-        # axis in place; "native" reads them in a C++ loop (pagedjax/native)
-        attention_fn = native.attention if backend == "native" else xla_attention
-        hidden, kv_cache = forward_split(params, cfg, a["token_ids"], a["positions"], kv_cache, attn,
-                                         attention_fn=attention_fn)
-    else:
-        attention_fn = functools.partial(_pallas_attention, limits=limits or device_limits())
-        if mesh is not None:
-            attention_fn = parallel.shard_attention(attention_fn, mesh)
-        hidden, kv_cache = forward(params, cfg, a["token_ids"], a["positions"], kv_cache, attn,
-                                   attention_fn=attention_fn)
+    hidden, kv_cache = forward(params, cfg, a["token_ids"], a["positions"], kv_cache, meta, attention,
+                               unroll=unroll)
     kv_cache = _keep_pool_sharding(kv_cache, mesh)
     logits = compute_logits(params, cfg, hidden[a["logits_indices"]])
     if mesh is not None:  # gathered: every device samples the same whole rows
@@ -170,13 +118,14 @@ def _scatter_fn(kv_cache, ids, blocks, *, mesh=None):
 
 
 def make_step(cfg: ModelConfig, *, backend: str, num_logprobs: int = 0, logits_hook=None, mesh=None,
-              limits: DeviceLimits | None = None):
+              limits: DeviceLimits | None = None, unroll: bool = False):
     """The jitted step `ModelRunner` runs: step(params, kv_cache, inputs) -> (results, logits,
     kv_cache), the cache donated. `limits` describes the device the Pallas kernels are tiled and
     compiled for (default: the local one); `pagedjax.aot` passes a named TPU's or GPU's to compile
-    the step for it from a CPU."""
-    return functools.partial(_step_fn, cfg=cfg, backend=backend, num_logprobs=num_logprobs,
-                             logits_hook=logits_hook, mesh=mesh, limits=limits or device_limits())
+    the step for it from a CPU. unroll: the layers without a loop (see `forward`)."""
+    attention = make_attention(backend, limits=limits or device_limits(), mesh=mesh)
+    return functools.partial(_step_fn, cfg=cfg, attention=attention, num_logprobs=num_logprobs,
+                             logits_hook=logits_hook, mesh=mesh, unroll=unroll)
 
 
 def step_input_arrays(T: int, S: int, P: int) -> dict[str, np.ndarray]:

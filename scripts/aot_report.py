@@ -7,11 +7,13 @@ real compiler (libtpu; XLA:GPU + Triton + ptxas) at decode batch {1, 8, 32, 128,
 {512, 2048, 8192}, bf16 weights and KV pool, every sequence at the full context, a pool of
 exactly the blocks they hold. Nothing runs: this is compiled-and-estimated.
 
-Per point: weights, KV pool and temporary bytes (memory_analysis); flops and bytes accessed (the
-compiler's cost analysis, every layer counted: see pagedjax.aot.compile_engine_step); the bytes a
-decode step cannot avoid (every weight once, every cached K/V once, the new K/V written); and a
-roofline estimate from the chip's published peak HBM bandwidth and bf16 FLOP/s: a lower bound on
-the step time of the compiled program (and of the ideal one), and the decode tokens/s it allows.
+Per point: weights, KV pool and temporary bytes (memory_analysis of the step as the engine runs
+it); flops and bytes accessed (the compiler's cost analysis, every layer counted: see
+pagedjax.aot.compile_engine_step); the bytes a decode step cannot avoid (every weight once, every
+cached K/V once, the new K/V written); and a roofline estimate from the chip's published peak HBM
+bandwidth and bf16 FLOP/s: a lower bound on the step time of the compiled program (and of the
+ideal one), the decode tokens/s it allows, and what the sampler adds when a row samples
+(temperature > 0; greedy steps skip it).
 A point whose weights and pool exceed the chip's HBM is listed as not fitting, uncompiled.
 
 Then the decode kernels alone, paged against contiguous at equal work (Llama-3-8B's attention:
@@ -99,13 +101,15 @@ def step_point(target, model, cfg, batch, context, dtype):
         return row
     mem = sc.program.memory
     rf = aot.roofline(t.chip, sc.flops, sc.bytes_accessed)
+    sampler = aot.roofline(t.chip, sc.sampler.cost["flops"], sc.sampler.cost["bytes_accessed"])
     ideal_s = max(sc.flops / t.chip.bf16_flops, ideal / t.chip.hbm_bandwidth)
     row.update(status="compiled", compile_seconds=round(time.perf_counter() - t0, 1),
                temp_bytes=mem["temp_bytes"], argument_bytes=mem["argument_bytes"],
                alias_bytes=mem["alias_bytes"], device_bytes=sc.program.device_bytes,
                flops=sc.flops, bytes_accessed=sc.bytes_accessed, cost_source=sc.program.cost_source,
                step_seconds=rf["seconds"], bound=rf["bound"], tokens_per_s=batch / rf["seconds"],
-               ideal_step_seconds=ideal_s, ideal_tokens_per_s=batch / ideal_s)
+               ideal_step_seconds=ideal_s, ideal_tokens_per_s=batch / ideal_s,
+               sampler_bytes=sc.sampler.cost["bytes_accessed"], sampler_seconds=sampler["seconds"])
     return row
 
 
@@ -149,16 +153,16 @@ def gb(x):
 def print_steps(rows):
     print("\n### The engine step, compiled and estimated (bf16, block size 16, every sequence at the full context)\n")
     print("| target | model | batch | context | weights GB | KV pool GB | temp GB | GFLOP | GB accessed | "
-          "ideal GB | bound | step ms (lower bound) | ideal step ms | decode tok/s (upper bound) |")
-    print("|---|---|--:|--:|--:|--:|--:|--:|--:|--:|---|--:|--:|--:|")
+          "ideal GB | bound | step ms (lower bound) | ideal step ms | decode tok/s (upper bound) | + sampler ms |")
+    print("|---|---|--:|--:|--:|--:|--:|--:|--:|--:|---|--:|--:|--:|--:|")
     for r in rows:
         head = f"| {r['target']} | {r['model']} | {r['batch']} | {r['context']} | {gb(r['weight_bytes'])} | {gb(r['kv_pool_bytes'])} |"
         if r["status"] != "compiled":
-            print(head + f" {r['status']} |||||||||")
+            print(head + f" {r['status']} ||||||||||")
             continue
         print(head + f" {gb(r['temp_bytes'])} | {r['flops'] / 1e9:.1f} | {gb(r['bytes_accessed'])} | "
               f"{gb(r['ideal_bytes'])} | {r['bound']} | {r['step_seconds'] * 1e3:.2f} | "
-              f"{r['ideal_step_seconds'] * 1e3:.2f} | {r['tokens_per_s']:,.0f} |")
+              f"{r['ideal_step_seconds'] * 1e3:.2f} | {r['tokens_per_s']:,.0f} | {r['sampler_seconds'] * 1e3:.2f} |")
 
 
 def print_kernels(rows):

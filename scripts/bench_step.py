@@ -15,6 +15,7 @@ cached context, to say how much of the difference that attention is.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -25,10 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pagedjax import native
 from pagedjax.engine import LLMEngine
-from pagedjax.model.llama import (AttentionMetadata, _attn_out_and_mlp, _linear, compute_logits, forward_split,
-                                  init_kv_cache, rms_norm, xla_attention)
+from pagedjax.attention import Attention, AttentionMetadata, init_kv_cache, make_attention
+from pagedjax.model.llama import attn_out_and_mlp, compute_logits, forward, linear, rms_norm
 from pagedjax.sampling_params import SamplingParams
 from pagedjax.scheduler.sequence import RequestStatus
 
@@ -44,12 +44,12 @@ def matmul_only_step(params, cfg, B: int):
 
         def layer(x, lp):
             h = rms_norm(x, lp["input_layernorm"], cfg.rms_norm_eps)
-            q = _linear(h, lp["q_proj"], lp, "q_bias")
-            k = _linear(h, lp["k_proj"], lp, "k_bias")
-            v = _linear(h, lp["v_proj"], lp, "v_bias")
+            q = linear(h, lp["q_proj"], lp, "q_bias")
+            k = linear(h, lp["k_proj"], lp, "k_bias")
+            v = linear(h, lp["v_proj"], lp, "v_bias")
             # keep k and v alive without attention: a negligible reduction
             o = q + (k.sum() + v.sum()) * 0
-            return _attn_out_and_mlp(cfg, lp, x, o), None
+            return attn_out_and_mlp(cfg, lp, x, o), None
 
         x, _ = jax.lax.scan(layer, x, params["layers"])
         h = rms_norm(x, params["norm"], cfg.rms_norm_eps)
@@ -61,14 +61,28 @@ def matmul_only_step(params, cfg, B: int):
     return lambda: jax.block_until_ready(f(params, ids))
 
 
+@dataclasses.dataclass(frozen=True)
+class NoContext(Attention):
+    """A CPU split backend that sees no cached context, as if every row were a fresh prompt."""
+
+    inner: Attention
+    writes_kv = False
+
+    def plan(self, meta, num_tokens):
+        layout, tables = self.inner.plan(meta, num_tokens)
+        return layout._replace(start=jnp.zeros_like(layout.start)), tables
+
+    def __call__(self, q, k, v, kv_cache, layer, plan):
+        return self.inner(q, k, v, kv_cache, layer, plan)
+
+
 def forward_step(params, cfg, B: int, context: int, block_size: int, pages: int, *, with_context: bool,
-                 shuffled: bool = False, attention_fn=xla_attention):
-    """The jitted CPU forward (`forward_split`) plus the head (logits consumed by a row max) for B
-    decode tokens, each at position `context` - 1 of its own row in a random-content pool, cache
-    donated; with
+                 shuffled: bool = False, backend: str = "reference"):
+    """The jitted CPU forward plus the head (logits consumed by a row max) for B decode tokens,
+    each at position `context` - 1 of its own row in a random-content pool, cache donated; with
     `with_context=False` the attention over the cached context is skipped (the step's own K/V
     only, as if every row were a fresh prompt), so the difference of the two is what reading the
-    context costs. `attention_fn` is the layer attention timed (`forward_split`'s argument)."""
+    context costs. `backend` is the CPU attention timed ("reference" or "native")."""
     rng = np.random.default_rng(0)
     n_pages = -(-context // block_size)
     num_blocks = B * n_pages + 1
@@ -83,12 +97,12 @@ def forward_step(params, cfg, B: int, context: int, block_size: int, pages: int,
                              jnp.arange(B + 1, dtype=jnp.int32), jnp.int32(B))
     ids, pos = jnp.zeros(B, jnp.int32), jnp.full(B, last, jnp.int32)
 
-    def no_context(qg, k, v, k_cache, v_cache, layer, tables, layout):
-        return attention_fn(qg, k, v, k_cache, v_cache, layer, tables, layout._replace(start=jnp.zeros_like(layout.start)))
+    attention = make_attention(backend)
+    attention = attention if with_context else NoContext(attention)
 
     @functools.partial(jax.jit, donate_argnums=(1,))
     def f(params, kv, ids, pos, attn):
-        h, kv = forward_split(params, cfg, ids, pos, kv, attn, attention_fn=attention_fn if with_context else no_context)
+        h, kv = forward(params, cfg, ids, pos, kv, attn, attention)
         return jnp.max(compute_logits(params, cfg, h), axis=-1), kv
 
     state = {"kv": kv}
@@ -170,7 +184,7 @@ def main() -> int:
             fwd, fwd_noctx = timed_in_turn(
                 [forward_step(eng.runner.params, eng.model_config, B, round(context),
                               eng.config.block_size, pages, with_context=w, shuffled=True,
-                              attention_fn=native.attention if eng.backend == "native" else xla_attention)
+                              backend=eng.backend)
                  for w in (True, False)],
                 args.steps)
         for rid in list(eng._groups):

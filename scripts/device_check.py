@@ -201,7 +201,7 @@ def main(argv=None) -> int:
             print(r["tail"][-1500:], flush=True)
 
     total = time.perf_counter() - t_start
-    print(f"\n| check | result | seconds | summary |\n|---|---|--:|---|")
+    print("\n| check | result | seconds | summary |\n|---|---|--:|---|")
     for name, c in checks.items():
         print(f"| {name} | {'ok' if c['ok'] else 'FAILED: ' + c['why']} | {c['seconds']:.0f} | {c.get('summary', '')} |")
     print(f"\n{total:.0f} s in all on {getattr(device, 'device_kind', device)}")

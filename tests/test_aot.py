@@ -7,7 +7,8 @@ compiles for described TPU topologies and the CUDA plugin (Triton, then ptxas) f
 by target configs, all with JAX_PLATFORMS=cpu. The grid: every kernel, in its variant for the
 target's platform, over a pairwise covering array of head_dim {64, 128, 256} x query heads per kv
 head {1, 3, 4, 7, 8} x block_size {8 .. 128} x dtype {bf16, f32} x the engine's bucket shapes.
-Needs the [aot] extra (`make test` installs it); without it these tests skip, saying why.
+Needs the [aot] extra (`make test` installs it); without it these tests skip, saying why; with it
+installed, a target that cannot be described is a failure.
 """
 
 import itertools
@@ -34,9 +35,13 @@ BUCKETS = {"decode": (32, 32, 32), "mixed": (512, 32, 32)}
 
 
 def require(target):
+    """Skip where the [aot] extra is not installed; fail where it is and still cannot compile."""
     why = aot.available(target)
-    if why is not None:
-        pytest.skip(why)
+    if why is None:
+        return
+    if aot.installed(aot.get_target(target).platform):
+        pytest.fail(why)
+    pytest.skip(why)
 
 
 def test_grid_covers_every_pair():
@@ -133,6 +138,24 @@ def test_costs_count_every_layer():
                                       + 3 * cfg.hidden_size * cfg.intermediate_size) \
         + cfg.vocab_size * cfg.hidden_size
     assert 0.9 < step.flops / (2 * 8 * matmul_params) < 1.5
+
+
+def test_gpu_cost_counts_an_in_place_scatter_as_its_whole_operand():
+    # What compile_engine_step corrects on GPU targets: XLA's generic HLO cost analysis counts a
+    # donated (in-place) scatter of 32 rows into an 8 MB pool as reading and writing all 8 MB;
+    # XLA:TPU's own cost analysis counts the rows.
+    require("h100")
+    require("tpu-v6e")
+    S = jax.ShapeDtypeStruct
+    pool, rows, idx = S((4096, 8, 128), jnp.bfloat16), S((32, 128), jnp.bfloat16), S((32,), jnp.int32)
+    scatter = jax.jit(lambda p, r, i: p.at[i, 0, :].set(r, mode="drop"), donate_argnums=0)
+    pool_bytes, row_bytes = 4096 * 8 * 128 * 2, 32 * 128 * 2
+    gpu = aot.compile(scatter, pool, rows, idx, target="h100")
+    assert gpu.memory["alias_bytes"] == pool_bytes  # in place
+    assert gpu.cost["bytes_accessed"] == 2 * pool_bytes + row_bytes + 32 * 4
+    assert gpu.cost["bytes_accessed"] - aot.scatter_correction(pool_bytes, row_bytes) == 2 * row_bytes + 32 * 4
+    tpu = aot.compile(scatter, pool, rows, idx, target="tpu-v6e")
+    assert tpu.cost["bytes_accessed"] < 40 * row_bytes
 
 
 # ---------------------------------------------------------------------------------------------

@@ -125,7 +125,7 @@ case("preemption_mode", build(preemption_mode="drop"), r"\bpreemption_mode\b", r
 case("scheduling", build(scheduling="fifo"), r"\bscheduling\b", r"'continuous' or 'static', got 'fifo'")
 case("allocation", build(allocation="buddy"), r"\ballocation\b", r"'paged' or 'contiguous', got 'buddy'")
 case("attention_backend", build(attention_backend="flash"), r"\battention_backend\b",
-     r"'auto', 'pallas', 'reference' or 'native', got 'flash'")
+     r"'auto', 'pallas', 'reference', 'native' or 'jnp', got 'flash'")
 case("tensor_parallel_size 0", build(tensor_parallel_size=0), r"\btensor_parallel_size\b", r"an int >= 1, got 0")
 case("tensor_parallel_size over the devices", lambda env: build(tensor_parallel_size=len(jax.devices()) + 1)(env),
      r"tensor_parallel_size \(\d+\)", r"exceeds the \d+ cpu device\(s\) present")

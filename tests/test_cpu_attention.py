@@ -17,7 +17,8 @@ import pytest
 
 from helpers import require_native
 from pagedjax import native
-from pagedjax.model.llama import AttentionMetadata, token_layout, write_kv, xla_attention
+from pagedjax.attention import AttentionMetadata, token_layout, write_kv
+from pagedjax.attention.xla import xla_attention
 from pagedjax.pallas.reference import ragged_paged_attention_reference
 
 KVH, G = 2, 3
@@ -143,7 +144,7 @@ def test_native_rejects_a_block_outside_the_pool():
 def test_backend_choice_when_the_kernel_cannot_be_built(monkeypatch):
     """No compiler: "auto" falls back to the XLA attention and an explicit "native" says why;
     with tensor parallelism "auto" keeps the XLA attention and "native" is refused."""
-    from pagedjax.runner import resolve_backend
+    from pagedjax.attention import resolve_backend
 
     monkeypatch.setattr(native, "compiler", lambda: None)
     native._register.cache_clear()

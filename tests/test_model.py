@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from helpers import require_native
-from pagedjax import native
-from pagedjax.model import AttentionMetadata, ModelConfig, compute_logits, forward, load_model
-from pagedjax.model.llama import forward_split, init_kv_cache, init_random_params, rope_inv_freq, xla_attention
+from pagedjax.attention import AttentionMetadata, init_kv_cache, make_attention
+from pagedjax.model import ModelConfig, compute_logits, forward, load_model
+from pagedjax.model.llama import init_random_params, rope_inv_freq
 
 BLOCK_SIZE = 4
 
@@ -68,23 +68,19 @@ class Pager:
         return jnp.asarray(token_ids), jnp.asarray(positions), attn, qsl[1: len(work) + 1] - 1
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "split"), donate_argnames=("kv_cache",))
-def step_fn(params, cfg, token_ids, positions, kv_cache, attn, split=None):
-    """split: None for `forward`, "xla" or "native" for `forward_split` with that attention."""
-    if split is None:
-        hidden, kv_cache = forward(params, cfg, token_ids, positions, kv_cache, attn)
-    else:
-        attention_fn = native.attention if split == "native" else xla_attention
-        hidden, kv_cache = forward_split(params, cfg, token_ids, positions, kv_cache, attn, attention_fn=attention_fn)
+@functools.partial(jax.jit, static_argnames=("cfg", "backend"), donate_argnames=("kv_cache",))
+def step_fn(params, cfg, token_ids, positions, kv_cache, attn, backend="jnp"):
+    """backend: the attention the model runs with (pagedjax.attention), default the jnp reference."""
+    hidden, kv_cache = forward(params, cfg, token_ids, positions, kv_cache, attn, make_attention(backend))
     return compute_logits(params, cfg, hidden), kv_cache
 
 
-def nan_cache(cfg: ModelConfig, num_blocks: int, dtype=jnp.float32, split=False):
-    """A cache no real value was written to: NaN for `forward` (its attention masks values too);
-    large finite garbage for `forward_split`, which relies on the pool never holding a
-    non-finite value (write_kv guarantees it) and would otherwise meet 0 * NaN."""
+def nan_cache(cfg: ModelConfig, num_blocks: int, dtype=jnp.float32, backend="jnp"):
+    """A cache no real value was written to: NaN for the backends that write then read (they
+    mask values too); large finite garbage for the CPU split backends, which rely on the pool
+    never holding a non-finite value (write_kv guarantees it) and would otherwise meet 0 * NaN."""
     k, v = init_kv_cache(cfg, num_blocks, BLOCK_SIZE, dtype)
-    if split:
+    if not make_attention(backend).writes_kv:
         g = jax.random.uniform(jax.random.key(3), k.shape, jnp.float32, -1e4, 1e4).astype(dtype)
         return g, -g
     return jnp.full_like(k, jnp.nan), jnp.full_like(v, jnp.nan)
@@ -187,22 +183,23 @@ def test_config_from_hf(tiny):
                                       hf.model.layers[i].self_attn.q_proj.weight.detach().numpy().T)
 
 
-@pytest.mark.parametrize("split", [None, "xla", "native"], ids=["forward", "forward_split", "forward_split-native"])
-def test_ragged_prefill_and_decode_match_hf(tiny, split):
+@pytest.mark.parametrize("backend", ["jnp", "reference", "native", "pallas"])
+def test_ragged_prefill_and_decode_match_hf(tiny, backend):
     """4 prompts prefilled in one call; then greedy decode with a 5th prompt arriving mid-way,
-    prefilled in two chunks alongside the others' decode tokens."""
-    if split == "native":
+    prefilled in two chunks alongside the others' decode tokens. Every attention backend: the
+    Pallas kernel (interpreted) reads its layer of the stacked pool the loop carries."""
+    if backend == "native":
         require_native()
     name, hf, cfg, params, _ = tiny
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (5, 1, 12, 7, 9)]
     T, S, max_blocks, num_blocks = 40, 6, 8, 48
     pager = Pager(num_blocks, rng)
-    kv = nan_cache(cfg, num_blocks, split=split)
+    kv = nan_cache(cfg, num_blocks, backend=backend)
 
     # one ragged prefill of the first four prompts
     token_ids, positions, attn, _ = pager.step(list(enumerate(prompts[:4])), T, S, max_blocks)
-    logits, kv = step_fn(params, cfg, token_ids, positions, kv, attn, split)
+    logits, kv = step_fn(params, cfg, token_ids, positions, kv, attn, backend)
     logits = np.asarray(logits)
     start = 0
     for sid in range(4):
@@ -225,7 +222,7 @@ def test_ragged_prefill_and_decode_match_hf(tiny, split):
         else:
             work.append((4, [seqs[4][-1]]))
         token_ids, positions, attn, rows = pager.step(work, T, S, max_blocks)
-        logits, kv = step_fn(params, cfg, token_ids, positions, kv, attn, split)
+        logits, kv = step_fn(params, cfg, token_ids, positions, kv, attn, backend)
         logits = np.asarray(logits)
         for (sid, _), row in zip(work, rows):
             if sid == 4 and step == 0:
@@ -244,8 +241,10 @@ def test_ragged_prefill_and_decode_match_hf(tiny, split):
     assert gen == seqs[0][: len(gen)]
 
 
-def test_padding_rows_write_nothing():
-    """slot -1 rows leave the cache untouched; real rows land exactly at their slots."""
+@pytest.mark.parametrize("backend", ["jnp", "reference"])
+def test_padding_rows_write_nothing(backend):
+    """slot -1 rows leave the cache untouched; real rows land exactly at their slots, whether each
+    layer writes its K/V in the loop ("jnp") or the model writes them all after it ("reference")."""
     from transformers import LlamaConfig
 
     cfg = ModelConfig.from_hf(LlamaConfig(**TINY, rope_theta=10000.0, architectures=["LlamaForCausalLM"]))
@@ -258,7 +257,7 @@ def test_padding_rows_write_nothing():
     # two real tokens at rows 0 and 2; context_lens counts them but the rows in between are padding,
     # which the model must not write however the attention treats them
     _, (k, v) = forward(params, cfg, jnp.array([3, 4, 5, 6], jnp.int32), jnp.array([0, 0, 1, 0], jnp.int32),
-                        kv, attn)
+                        kv, attn, make_attention(backend))
     flat = np.asarray(k).reshape(cfg.num_layers, cfg.num_kv_heads, num_blocks * BLOCK_SIZE, cfg.head_dim)
     written = np.any(flat != 0, axis=(0, 1, 3))
     assert sorted(np.nonzero(written)[0].tolist()) == [5, 9]
@@ -294,13 +293,13 @@ def test_init_random_params_shapes_and_jit_once():
     params = init_random_params(cfg, jax.random.key(0), jnp.bfloat16)
     assert params["layers"]["q_bias"].shape == (2, 64) and params["lm_head"].shape == (64, 300)
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params))
-    f = jax.jit(forward, static_argnames=("cfg",))
+    f = jax.jit(forward, static_argnames=("cfg", "attention"))
     rng = np.random.default_rng(0)
     pager = Pager(16, rng)
     kv = init_kv_cache(cfg, 16, BLOCK_SIZE, jnp.bfloat16)
     for work in ([(0, [5, 6, 7]), (1, [8])], [(0, [9]), (1, [10]), (2, [11, 12])]):
         token_ids, positions, attn, _ = pager.step(work, 8, 4, 4)
-        hidden, kv = f(params, cfg, token_ids, positions, kv, attn)
+        hidden, kv = f(params, cfg, token_ids, positions, kv, attn, make_attention("jnp"))
         assert hidden.shape == (8, 64) and np.all(np.isfinite(np.asarray(hidden, np.float32)))
     assert f._cache_size() == 1  # new batch membership, same shapes: no retrace
 

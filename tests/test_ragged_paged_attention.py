@@ -97,6 +97,26 @@ def test_tiles_and_steps(variant, block_size, block_q, step):
     check(f(*args), ref_jit(*args), args, jnp.float32)
 
 
+@pytest.mark.parametrize("variant", ["gpu", "tpu"])
+def test_layer_of_a_stacked_pool(variant):
+    # A model's layer loop passes the whole stacked pool [L, KVH, ...] and a traced layer index;
+    # the kernel must read that layer in place, and nothing of the other layers (all NaN here).
+    cfg = dict(SCENARIOS["mixed"], dtype=jnp.float32)
+    q, k, v, bt, cl, qsl, n = ragged_case(11, **cfg)
+    nan = jnp.full_like(k, jnp.nan)
+    k3, v3 = jnp.stack([nan, k, nan]), jnp.stack([nan, v, nan])
+    f = jax.jit(functools.partial(ragged_paged_attention, variant=variant))
+    out = f(q, k3, v3, bt, cl, qsl, n, layer=jnp.int32(1))
+    ref = ref_jit(q, k, v, bt, cl, qsl, n)
+    check(out, ref, (q, k, v, bt, cl, qsl, n), jnp.float32)
+    ref3 = jax.jit(functools.partial(ragged_paged_attention_reference, layer=jnp.int32(1)))(q, k3, v3, bt, cl, qsl, n)
+    np.testing.assert_array_equal(np.asarray(ref3), np.asarray(ref))
+    with pytest.raises(ValueError, match=r"layer must lie in \[0, 3\)"):
+        ragged_paged_attention(q, k3, v3, bt, cl, qsl, n, layer=3, variant=variant)
+    with pytest.raises(ValueError, match=r"k_pages must be \[num_layers, num_kv_heads"):
+        ragged_paged_attention(q, k, v, bt, cl, qsl, n, layer=0, variant=variant)
+
+
 def test_tpu_variant_under_tpu_interpreter():
     # The TPU interpreter checks DMA and semaphore semantics (reads of un-awaited copies see NaN,
     # unbalanced semaphores fail). Tiny, since it runs ~1 s per call.

@@ -2,7 +2,7 @@
 
 One kernel so far: `attention`, the CPU step's attention (pagedjax/native/attention.cc): each
 token over its row's cached context, read page by page from the pool, and over the step's own
-K/V of its row. It computes what `pagedjax.model.llama.xla_attention` computes with XLA ops
+K/V of its row. It computes what `pagedjax.attention.xla.xla_attention` computes with XLA ops
 (`context_attention` + `split_attention`), and replaces it in the "native" attention backend
 ("auto" on a CPU picks that backend when the kernel builds).
 
@@ -124,7 +124,7 @@ def unavailable_reason() -> str | None:
 
 
 def attention(qg, k_new, v_new, k_cache, v_cache, layer, tables, layout):
-    """Drop-in for `pagedjax.model.llama.xla_attention` (same arguments, same result): qg f32
+    """Drop-in for `pagedjax.attention.xla.xla_attention` (same arguments, same result): qg f32
     [T, KVH, G, D] scaled queries; k_new, v_new [T, KVH, D] the step's own K/V; the pool
     [L, KVH, NB, BS, D] f32 or bf16, not yet holding them; layer an int32 scalar; tables [T, P]
     each token's row's block table; layout the `TokenLayout` of the step. Returns f32

@@ -299,13 +299,14 @@ def kernel_cost(*, flops, transcendentals, bytes_accessed):
 # ---------------------------------------------------------------------------------------------
 
 
-def gpu_page_loader(k_ref, v_ref, bt_ref, h, num_pages, n):
-    """load(i, tok0) -> (k, v), each [n, D]: kv head h's tokens tok0 .. tok0 + n - 1 gathered from
-    the pool k_ref, v_ref [KVH, num_blocks, bs, D] through the block-table row bt_ref (padded so
-    every slice is in bounds). A step of n >= bs tokens gathers n / bs whole pages; a shorter one
-    (a page's K and V would not fit the shared memory) reads part of one page. Entries at or past
-    num_pages may be stale: the null block is read instead."""
-    block_size, d = k_ref.shape[2], k_ref.shape[3]
+def gpu_page_loader(k_ref, v_ref, bt_ref, head, num_pages, n):
+    """load(i, tok0) -> (k, v), each [n, D]: tokens tok0 .. tok0 + n - 1 of the kv head `head`
+    indexes (a tuple: (h,) into a pool [KVH, num_blocks, bs, D], (layer, h) into a stacked one
+    [L, KVH, ...]) gathered through the block-table row bt_ref (padded so every slice is in
+    bounds). A step of n >= bs tokens gathers n / bs whole pages; a shorter one (a page's K and V
+    would not fit the shared memory) reads part of one page. Entries at or past num_pages may be
+    stale: the null block is read instead."""
+    block_size, d = k_ref.shape[-2], k_ref.shape[-1]
     if n >= block_size:
         per_step = n // block_size
 
@@ -313,20 +314,21 @@ def gpu_page_loader(k_ref, v_ref, bt_ref, h, num_pages, n):
             page0 = lax.div(tok0, block_size)
             idx = page0 + lax.broadcasted_iota(jnp.int32, (per_step,), 0)
             pages = jnp.where(idx < num_pages, bt_ref[pl.ds(page0, per_step)], 0)
-            return k_ref[h, pages].reshape(n, d), v_ref[h, pages].reshape(n, d)
+            return k_ref[(*head, pages)].reshape(n, d), v_ref[(*head, pages)].reshape(n, d)
     else:
         def load(i, tok0):
             idx = lax.div(tok0, block_size)
             page = jnp.where(idx < num_pages, bt_ref[idx], 0)
             rows = pl.ds(pl.multiple_of(lax.rem(tok0, block_size), n), n)
-            return k_ref[h, page, rows], v_ref[h, page, rows]
+            return k_ref[(*head, page, rows)], v_ref[(*head, page, rows)]
     return load
 
 
-def tpu_page_copies(bt_ref, row, max_blocks, num_pages, pages_per_block, h, k_hbm, v_hbm, k_buf,
+def tpu_page_copies(bt_ref, row, max_blocks, num_pages, pages_per_block, head, k_hbm, v_hbm, k_buf,
                     v_buf, sems):
-    """copies(step, slot) -> the async copies that bring a step's pages of kv head h into VMEM slot
-    `slot`: one DMA per page, entry row * max_blocks + i of the flat block table bt_ref (SMEM).
+    """copies(step, slot) -> the async copies that bring a step's pages of the kv head `head`
+    indexes ((h,) or (layer, h), as in gpu_page_loader) into VMEM slot `slot`: one DMA per page,
+    entry row * max_blocks + i of the flat block table bt_ref (SMEM).
     A slot's copies all signal one semaphore and are waited one by one. Pages past the sequence's
     end copy the null block (in bounds, then masked)."""
     def copies(step, slot):
@@ -336,7 +338,7 @@ def tpu_page_copies(bt_ref, row, max_blocks, num_pages, pages_per_block, h, k_hb
             entry = bt_ref[row * max_blocks + jnp.minimum(idx, max_blocks - 1)]
             page = jnp.where(idx < num_pages, entry, 0)
             for hbm, buf, sem in ((k_hbm, k_buf, sems.at[0, slot]), (v_hbm, v_buf, sems.at[1, slot])):
-                out.append(pltpu.make_async_copy(hbm.at[h, page], buf.at[slot, j], sem))
+                out.append(pltpu.make_async_copy(hbm.at[(*head, page)], buf.at[slot, j], sem))
         return out
     return copies
 

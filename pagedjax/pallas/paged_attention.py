@@ -157,7 +157,7 @@ def _gpu_kernel(lengths_ref, *refs, scale, n, tokens_per_split, max_tokens, page
     steps = cdiv(jnp.maximum(jnp.minimum(first + tokens_per_split, length) - first, 0), n)
 
     if paged:
-        load = gpu_page_loader(k_ref, v_ref, bt_ref, h, cdiv(length, k_ref.shape[2]), n)
+        load = gpu_page_loader(k_ref, v_ref, bt_ref, (h,), cdiv(length, k_ref.shape[2]), n)
     else:
         def load(i, tok0):
             return k_ref[b, h, pl.ds(tok0, n)], v_ref[b, h, pl.ds(tok0, n)]
@@ -283,7 +283,7 @@ def _tpu_paged_kernel(lengths_ref, bt_ref, q_ref, k_hbm, v_hbm, o_ref, k_buf, v_
     b, h = pl.program_id(0), pl.program_id(1)
     block_size = k_hbm.shape[2]
     length = jnp.minimum(lengths_ref[b], max_blocks * block_size)
-    copies = tpu_page_copies(bt_ref, b, max_blocks, cdiv(length, block_size), pages_per_block, h,
+    copies = tpu_page_copies(bt_ref, b, max_blocks, cdiv(length, block_size), pages_per_block, (h,),
                              k_hbm, v_hbm, k_buf, v_buf, sems)
     _tpu_attend(q_ref, o_ref, k_buf, v_buf, length, pages_per_block * block_size, copies, scale)
 

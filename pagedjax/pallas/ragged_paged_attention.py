@@ -8,7 +8,10 @@ Arguments (T step tokens, S sequence seats, H query heads, KVH kv heads, D head_
   q               [T, H, D]  the step's query tokens, sequence after sequence, padded to T; same
                   dtype as the cache
   k_pages         [KVH, num_blocks, block_size, D]  the block pool, f32 or bf16, ALREADY holding
-                  this step's new K; v_pages the same for V
+                  this step's new K; v_pages the same for V. With `layer` (an int32 scalar, may
+                  be traced), the stacked pool of every layer [L, KVH, num_blocks, block_size, D],
+                  of which the kernel reads that layer's pages in place: a model's layer loop
+                  passes the whole pool and its index, and no layer is ever sliced out (copied)
   block_tables    int32[S, max_blocks]  logical block i of sequence s is physical block
                   block_tables[s, i]; unused entries are 0, the null block. The kernels never
                   follow an entry at or past cdiv(context_lens[s], block_size) (they read block 0)
@@ -240,16 +243,18 @@ def _ragged_cost(num_tiles, rows, kvh, d, capacity, q, block_tables):
 # ---------------------------------------------------------------------------------------------
 
 
-def _gpu_kernel(q_pos_ref, kv_len_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, scale, block_q, n):
+def _gpu_kernel(layer_ref, q_pos_ref, kv_len_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, scale,
+                block_q, n):
     """One program: query tile i, kv head h.
 
-    q_pos_ref, kv_len_ref int32[num_tiles] (whole arrays); bt_ref int32[padded max_blocks] (the
-    tile's sequence's row); q_ref, o_ref [rows, D]; k_ref, v_ref [KVH, num_blocks, bs, D] (whole,
-    gathered through the table), read n tokens a step.
+    layer_ref int32[1], q_pos_ref, kv_len_ref int32[num_tiles] (whole arrays); bt_ref
+    int32[padded max_blocks] (the tile's sequence's row); q_ref, o_ref [rows, D]; k_ref, v_ref
+    the stacked pool [L, KVH, num_blocks, bs, D] (whole, gathered through the table at layer
+    layer_ref[0]), read n tokens a step.
     """
     i, h = pl.program_id(0), pl.program_id(1)
     kv_len = kv_len_ref[i]
-    load = gpu_page_loader(k_ref, v_ref, bt_ref, h, cdiv(kv_len, k_ref.shape[2]), n)
+    load = gpu_page_loader(k_ref, v_ref, bt_ref, (layer_ref[0], h), cdiv(kv_len, k_ref.shape[-2]), n)
     m, l, acc = _attend_causal(q_ref[...], q_pos_ref[i], kv_len, block_q, n, cdiv(kv_len, n),
                                load, scale)
     o_ref[...] = finish(acc, l, o_ref.dtype)
@@ -257,10 +262,10 @@ def _gpu_kernel(q_pos_ref, kv_len_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, sc
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_q", "tokens_per_step",
                                              "num_stages"))
-def _ragged_gpu(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, num_seqs, *,
+def _ragged_gpu(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, num_seqs, layer, *,
                 scale, interpret, block_q, tokens_per_step, num_stages):
     t_total, h, d = q.shape
-    kvh, _, block_size, _ = k_pages.shape
+    _, kvh, _, block_size, _ = k_pages.shape
     s_total, max_blocks = block_tables.shape
     group_rows = pl.next_power_of_2(h // kvh)
     rows = group_rows * block_q
@@ -281,7 +286,7 @@ def _ragged_gpu(q, k_pages, v_pages, block_tables, context_lens, query_start_loc
     out = pl.pallas_call(
         functools.partial(_gpu_kernel, scale=scale, block_q=block_q, n=tokens_per_step),
         grid=(num_tiles, kvh),
-        in_specs=[whole, whole, pl.BlockSpec((None, bt.shape[1]), lambda i, h_: (i, 0)),
+        in_specs=[whole, whole, whole, pl.BlockSpec((None, bt.shape[1]), lambda i, h_: (i, 0)),
                   tile_spec, whole, whole],
         out_specs=tile_spec,
         out_shape=jax.ShapeDtypeStruct(qt.shape, q.dtype),
@@ -290,7 +295,7 @@ def _ragged_gpu(q, k_pages, v_pages, block_tables, context_lens, query_start_loc
                                    block_tables),
         interpret=interpret,
         name="ragged_paged_attention_gpu",
-    )(q_pos0, kv_len, bt, qt, k_pages, v_pages)
+    )(layer.reshape(1), q_pos0, kv_len, bt, qt, k_pages, v_pages)
     return _unpack_out(out, h, tile, slot, valid, block_q)
 
 
@@ -299,22 +304,23 @@ def _ragged_gpu(q, k_pages, v_pages, block_tables, context_lens, query_start_loc
 # ---------------------------------------------------------------------------------------------
 
 
-def _tpu_kernel(seq_ref, q_pos_ref, kv_len_ref, bt_ref, q_ref, k_hbm, v_hbm, o_ref, k_buf, v_buf,
-                sems, *, scale, block_q, pages_per_block, max_blocks):
+def _tpu_kernel(layer_ref, seq_ref, q_pos_ref, kv_len_ref, bt_ref, q_ref, k_hbm, v_hbm, o_ref, k_buf,
+                v_buf, sems, *, scale, block_q, pages_per_block, max_blocks):
     """One program: query tile i, kv head h.
 
-    seq_ref, q_pos_ref, kv_len_ref int32[num_tiles] and bt_ref int32[S * max_blocks] in SMEM (flat:
-    SMEM pads a 2-D array's minor dimension); q_ref, o_ref [rows, D] in VMEM; k_hbm, v_hbm
-    [KVH, num_blocks, bs, D] in HBM; k_buf, v_buf [2, pages_per_block, bs, D] VMEM; sems: DMA
-    semaphores [2 (k, v), 2 (slot)]. Every tile of a sequence reads its pages again.
+    layer_ref int32[1], seq_ref, q_pos_ref, kv_len_ref int32[num_tiles] and bt_ref
+    int32[S * max_blocks] in SMEM (flat: SMEM pads a 2-D array's minor dimension); q_ref, o_ref
+    [rows, D] in VMEM; k_hbm, v_hbm the stacked pool [L, KVH, num_blocks, bs, D] in HBM, read at
+    layer layer_ref[0]; k_buf, v_buf [2, pages_per_block, bs, D] VMEM; sems: DMA semaphores
+    [2 (k, v), 2 (slot)]. Every tile of a sequence reads its pages again.
     """
     i, h = pl.program_id(0), pl.program_id(1)
-    block_size = k_hbm.shape[2]
+    block_size = k_hbm.shape[-2]
     n = pages_per_block * block_size
     kv_len = kv_len_ref[i]
     steps = cdiv(kv_len, n)
     copies = tpu_page_copies(bt_ref, seq_ref[i], max_blocks, cdiv(kv_len, block_size),
-                             pages_per_block, h, k_hbm, v_hbm, k_buf, v_buf, sems)
+                             pages_per_block, (layer_ref[0], h), k_hbm, v_hbm, k_buf, v_buf, sems)
     load = tpu_double_buffered(k_buf, v_buf, n, steps, copies)
     q = q_ref[...].astype(jnp.float32)
     m, l, acc = _attend_causal(q, q_pos_ref[i], kv_len, block_q, n, steps, load, scale)
@@ -322,10 +328,10 @@ def _tpu_kernel(seq_ref, q_pos_ref, kv_len_ref, bt_ref, q_ref, k_hbm, v_hbm, o_r
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_q", "pages_per_block"))
-def _ragged_tpu(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, num_seqs, *,
+def _ragged_tpu(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, num_seqs, layer, *,
                 scale, interpret, block_q, pages_per_block):
     t_total, h, d = q.shape
-    kvh, _, block_size, _ = k_pages.shape
+    _, kvh, _, block_size, _ = k_pages.shape
     s_total, max_blocks = block_tables.shape
     group_rows = h // kvh
     rows = group_rows * block_q
@@ -337,7 +343,7 @@ def _ragged_tpu(q, k_pages, v_pages, block_tables, context_lens, query_start_loc
     tile_spec = pl.BlockSpec((None, None, rows, d), lambda i, h_, *_: (i, h_, 0, 0))
     buf_shape = (2, pages_per_block, block_size, d)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=4,
+        num_scalar_prefetch=5,
         grid=(num_tiles, kvh),
         in_specs=[tile_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=tile_spec,
@@ -355,7 +361,7 @@ def _ragged_tpu(q, k_pages, v_pages, block_tables, context_lens, query_start_loc
                                    block_tables),
         interpret=interpret,
         name="ragged_paged_attention_tpu",
-    )(seq, q_pos0, kv_len, block_tables.reshape(-1), qt, k_pages, v_pages)
+    )(layer.reshape(1), seq, q_pos0, kv_len, block_tables.reshape(-1), qt, k_pages, v_pages)
     return _unpack_out(out, h, tile, slot, valid, block_q)
 
 
@@ -379,21 +385,23 @@ def default_block_q(num_tokens, num_seqs, group_rows, min_rows, max_rows=MAX_TIL
     return int(min(max(want, lo), hi, max(lo, pl.next_power_of_2(max(num_tokens, 1)))))
 
 
-def _check(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, num_seqs):
+def _check(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, num_seqs, layer):
     """Shape and dtype checks, and value checks where the values are concrete.
 
-    Returns num_seqs as an int32 scalar."""
+    Returns (k_pages, v_pages, num_seqs, layer): the pools stacked [L, KVH, num_blocks, bs, D]
+    (a lone layer gets a leading axis of 1) and num_seqs and layer as int32 scalars."""
     if getattr(q, "ndim", None) != 3 or q.shape[0] == 0:
         raise ValueError(f"q must be [num_tokens >= 1, num_heads, head_dim]; got shape "
                          f"{np.shape(q)}")
-    if getattr(k_pages, "ndim", None) != 4:
-        raise ValueError(f"k_pages must be [num_kv_heads, num_blocks, block_size, head_dim]; got "
-                         f"shape {np.shape(k_pages)}")
+    if getattr(k_pages, "ndim", None) != (4 if layer is None else 5):
+        want = ("[num_kv_heads, num_blocks, block_size, head_dim]" if layer is None else
+                "[num_layers, num_kv_heads, num_blocks, block_size, head_dim] (a layer is given)")
+        raise ValueError(f"k_pages must be {want}; got shape {np.shape(k_pages)}")
     if getattr(v_pages, "shape", None) != k_pages.shape:
         raise ValueError(f"v_pages shape {np.shape(v_pages)} differs from k_pages shape "
                          f"{k_pages.shape}")
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads, _, block_size, _ = k_pages.shape
+    num_kv_heads, _, block_size, _ = k_pages.shape[-4:]
     if k_pages.shape[-1] != head_dim:
         raise ValueError(f"head_dim mismatch: q has shape {q.shape} (head_dim {head_dim}) but "
                          f"k_pages has shape {k_pages.shape} (head_dim {k_pages.shape[-1]})")
@@ -423,9 +431,17 @@ def _check(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, num
         raise ValueError(f"num_seqs must be an integer scalar; got {jnp.result_type(num_seqs)}"
                          f"{list(np.shape(num_seqs))}")
 
+    if layer is None:
+        k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
+    elif np.shape(layer) != () or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
+        raise ValueError(f"layer must be an integer scalar; got {jnp.result_type(layer)}{list(np.shape(layer))}")
+    elif concrete(layer) is not None and not 0 <= int(concrete(layer)) < k_pages.shape[0]:
+        raise ValueError(f"layer must lie in [0, {k_pages.shape[0]}) (k_pages has shape {k_pages.shape}); "
+                         f"got {int(concrete(layer))}")
+    pools = (k_pages, v_pages, jnp.asarray(layer, jnp.int32))
     n_live = concrete(num_seqs)
     if n_live is None:
-        return jnp.asarray(num_seqs, jnp.int32)
+        return (*pools[:2], jnp.asarray(num_seqs, jnp.int32), pools[2])
     n_live = int(n_live)
     if not 0 <= n_live <= s_total:
         raise ValueError(f"num_seqs must lie in [0, {s_total}] (block_tables has shape "
@@ -447,7 +463,7 @@ def _check(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, num
                 raise ValueError(f"block_tables of shape {block_tables.shape} ({max_blocks} blocks "
                                  f"of {block_size} tokens) holds {capacity} tokens but "
                                  f"max(context_lens) is {live_lens.max()}")
-    return jnp.asarray(num_seqs, jnp.int32)
+    return (*pools[:2], jnp.asarray(num_seqs, jnp.int32), pools[2])
 
 
 def _block_q(q, k_pages, block_tables, block_q, min_rows, group_rows):
@@ -460,7 +476,7 @@ def _block_q(q, k_pages, block_tables, block_q, min_rows, group_rows):
 
 
 def ragged_paged_attention_gpu(q, k_pages, v_pages, block_tables, context_lens, query_start_loc,
-                               num_seqs, *, scale=None, interpret=False, block_q=None,
+                               num_seqs, *, layer=None, scale=None, interpret=False, block_q=None,
                                tokens_per_step=None, limits: DeviceLimits | None = None):
     """The Triton-style kernel, with its tuning knobs (see the module docstring).
 
@@ -470,10 +486,11 @@ def ragged_paged_attention_gpu(q, k_pages, v_pages, block_tables, context_lens, 
     TOKENS_PER_STEP, that fits the device's shared memory with a two-stage pipeline. limits: the
     device the kernel is compiled for (default: the local one).
     """
-    num_seqs = _check(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, num_seqs)
+    k_pages, v_pages, num_seqs, layer = _check(q, k_pages, v_pages, block_tables, context_lens,
+                                               query_start_loc, num_seqs, layer)
     _, interpret, limits = resolve("gpu", interpret, limits)
-    block_size, head_dim = k_pages.shape[2], q.shape[2]
-    group_rows = pl.next_power_of_2(q.shape[1] // k_pages.shape[0])
+    block_size, head_dim = k_pages.shape[-2], q.shape[2]
+    group_rows = pl.next_power_of_2(q.shape[1] // k_pages.shape[1])
     block_q = _block_q(q, k_pages, block_tables, block_q, GPU_MIN_ROWS, group_rows)
     rows = group_rows * block_q
     tokens_per_step, stages = gpu_plan(head_dim, rows, q.dtype.itemsize, limits, tokens_per_step,
@@ -486,19 +503,20 @@ def ragged_paged_attention_gpu(q, k_pages, v_pages, block_tables, context_lens, 
             raise ValueError(f"the compiled gpu variant needs query tiles of >= {GPU_MIN_ROWS} "
                              f"rows; got block_q {block_q} x group {group_rows}")
     return _ragged_gpu(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, num_seqs,
-                       scale=softmax_scale(scale, head_dim), interpret=interpret, block_q=block_q,
-                       tokens_per_step=int(tokens_per_step), num_stages=stages)
+                       layer, scale=softmax_scale(scale, head_dim), interpret=interpret,
+                       block_q=block_q, tokens_per_step=int(tokens_per_step), num_stages=stages)
 
 
 def ragged_paged_attention_tpu(q, k_pages, v_pages, block_tables, context_lens, query_start_loc,
-                               num_seqs, *, scale=None, interpret=False, block_q=None,
+                               num_seqs, *, layer=None, scale=None, interpret=False, block_q=None,
                                pages_per_block=None, limits: DeviceLimits | None = None):
     """The Mosaic-style kernel. block_q: tokens per query tile (a power of two); pages_per_block:
     pages copied per double-buffer slot (default TOKENS_PER_STEP tokens' worth)."""
-    num_seqs = _check(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, num_seqs)
+    k_pages, v_pages, num_seqs, layer = _check(q, k_pages, v_pages, block_tables, context_lens,
+                                               query_start_loc, num_seqs, layer)
     _, interpret, limits = resolve("tpu", interpret, limits)
-    block_size = k_pages.shape[2]
-    group_rows = q.shape[1] // k_pages.shape[0]
+    block_size = k_pages.shape[-2]
+    group_rows = q.shape[1] // k_pages.shape[1]
     block_q = _block_q(q, k_pages, block_tables, block_q, TPU_MIN_ROWS, group_rows)
     if pages_per_block is None:
         pages_per_block = max(1, TOKENS_PER_STEP // block_size)
@@ -506,16 +524,16 @@ def ragged_paged_attention_tpu(q, k_pages, v_pages, block_tables, context_lens, 
     check_vmem(group_rows * block_q, q.shape[2], pages_per_block * block_size, q.dtype.itemsize,
                limits, "ragged_paged_attention")
     return _ragged_tpu(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, num_seqs,
-                       scale=softmax_scale(scale, q.shape[2]), interpret=interpret, block_q=block_q,
-                       pages_per_block=pages_per_block)
+                       layer, scale=softmax_scale(scale, q.shape[2]), interpret=interpret,
+                       block_q=block_q, pages_per_block=pages_per_block)
 
 
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, context_lens, query_start_loc,
-                           num_seqs, *, scale=None, variant="auto", interpret=None,
+                           num_seqs, *, layer=None, scale=None, variant="auto", interpret=None,
                            limits: DeviceLimits | None = None):
     """Causal attention for a step's tokens of many sequences; see the module docstring.
     Returns [T, H, D] in q's dtype."""
     variant, interpret, limits = resolve(variant, interpret, limits)
     fn = ragged_paged_attention_gpu if variant == "gpu" else ragged_paged_attention_tpu
     return fn(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, num_seqs,
-              scale=scale, interpret=interpret, limits=limits)
+              layer=layer, scale=scale, interpret=interpret, limits=limits)

@@ -90,12 +90,15 @@ def paged_attention_reference(q, k_pages, v_pages, block_tables, lengths, *, sca
 
 
 def ragged_paged_attention_reference(
-    q, k_pages, v_pages, block_tables, context_lens, query_start_loc, num_seqs, *, scale=None
+    q, k_pages, v_pages, block_tables, context_lens, query_start_loc, num_seqs, *, scale=None,
+    layer=None,
 ):
     """Causal attention for a step's tokens of many sequences (prefill chunks and decodes mixed).
 
     q               [T, H, D]   the step's query tokens, sequence after sequence, padded to T
-    k_pages/v_pages [KVH, num_blocks, block_size, D], already holding this step's new K/V
+    k_pages/v_pages [KVH, num_blocks, block_size, D], already holding this step's new K/V; with
+                    `layer` (an int32 scalar), the stacked pool [L, KVH, ...] of which that
+                    layer is read
     block_tables    int32[S, max_blocks]
     context_lens    int32[S]    cached tokens of each sequence INCLUDING this step's tokens
     query_start_loc int32[S+1]  sequence s owns q rows query_start_loc[s]:query_start_loc[s+1]
@@ -108,6 +111,8 @@ def ragged_paged_attention_reference(
     Cost: each token gathers its sequence's whole block table, T * KVH * max_blocks * block_size * D
     elements, so keep max_blocks bucketed to the live context.
     """
+    if layer is not None:
+        k_pages, v_pages = k_pages[layer], v_pages[layer]
     t_total, h, d = q.shape
     kvh = k_pages.shape[0]
     s_total = block_tables.shape[0]

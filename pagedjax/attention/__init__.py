@@ -1,0 +1,199 @@
+"""One door to attention, for every backend: the model calls this and nothing else.
+
+    attention = make_attention("pallas", limits=..., mesh=...)   # or "native", "reference", "jnp"
+    plan = attention.plan(meta, num_tokens)             # once a step, outside the layer loop
+    o, kv_cache = attention(q, k, v, kv_cache, layer, plan)     # once a layer
+
+q [T, H, D] and k, v [T, KVH, D] are a layer's projections (rotary embeddings applied), in the
+model's dtype; kv_cache is the whole stacked pool `(k_cache, v_cache)`, each
+[L, KVH, num_blocks, block_size, D] (pagedjax.attention.cache); layer is the layer's index (an
+int32 scalar, traced inside the scanned layer loop); meta is the step's AttentionMetadata. o is
+[T, H, D] in q's dtype, with zeros for padding tokens. A backend object is hashable: the jitted
+step takes it as a static argument.
+
+Two ways to get a step's own K/V into the attention, one per kind of backend:
+  writes_kv = True   ("pallas", "jnp"): each layer scatters its K/V into its layer of the pool,
+                     carried through the layer loop (in place: nothing is sliced out or copied),
+                     then attends over the pool, which now holds them. This is how the Pallas
+                     kernel works on a GPU or TPU.
+  writes_kv = False  ("reference", "native"): the pool is only read inside the loop; each token
+                     attends to its row's cached context in the pool plus the step's own K/V,
+                     and the model writes every layer's K/V once after the loop. This is the
+                     CPU's way (see pagedjax.attention.xla for why).
+
+Backends:
+  "pallas"     the ragged Pallas kernel (pagedjax.pallas), tiled for the device `limits` describe;
+               under tensor parallelism it runs per device in shard_map on its own heads.
+  "native"     one C++ call per layer through jax.ffi (pagedjax.native): the fast CPU path.
+  "reference"  the same split attention in XLA ops (pagedjax.attention.xla); GSPMD shards it.
+  "jnp"        the pure-jnp ragged reference of the kernel (pagedjax.pallas.reference), written
+               then read like "pallas": the truth the model tests compare against.
+  "auto"       "native" on a CPU ("reference" if it cannot be built, or with tensor
+               parallelism), "pallas" on a GPU or TPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pagedjax.attention.cache import init_kv_cache, write_kv, write_layer
+from pagedjax.attention.metadata import AttentionMetadata, TokenLayout, token_layout
+from pagedjax.pallas.common import DeviceLimits, device_limits
+
+__all__ = [
+    "AttentionMetadata", "TokenLayout", "token_layout", "init_kv_cache", "write_kv", "write_layer",
+    "BACKENDS", "Attention", "PallasAttention", "JnpAttention", "XlaAttention", "NativeAttention",
+    "make_attention", "resolve_backend",
+]
+
+BACKENDS = ("auto", "pallas", "reference", "native", "jnp")
+
+
+class Attention:
+    """The interface (see the module docstring). Subclasses are frozen dataclasses."""
+
+    writes_kv: bool = False
+
+    def plan(self, meta: AttentionMetadata, num_tokens: int) -> Any:
+        """What every layer's call needs beyond `meta`, derived once a step."""
+        return meta
+
+    def __call__(self, q, k, v, kv_cache, layer, plan):
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class _WriteThenRead(Attention):
+    writes_kv = True
+
+    def attend(self, q, k_cache, v_cache, layer, meta: AttentionMetadata):
+        raise NotImplementedError
+
+    def _layer(self, q, k, v, kv_cache, layer, meta):
+        k_cache, v_cache = kv_cache
+        k_cache = write_layer(k_cache, layer, k, meta.slot_mapping)
+        v_cache = write_layer(v_cache, layer, v, meta.slot_mapping)
+        return self.attend(q, k_cache, v_cache, layer, meta), (k_cache, v_cache)
+
+    def __call__(self, q, k, v, kv_cache, layer, meta):
+        return self._layer(q, k, v, kv_cache, layer, meta)
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasAttention(_WriteThenRead):
+    """The ragged Pallas kernel. limits: the device it is tiled and compiled for (default: the
+    local one). mesh: a ("dp", "tp") mesh to run it per device on its own heads."""
+
+    limits: DeviceLimits | None = None
+    mesh: Any = None
+
+    def attend(self, q, k_cache, v_cache, layer, meta):
+        from pagedjax.pallas import ragged_paged_attention
+
+        return ragged_paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                      meta.query_start_loc, meta.num_seqs, layer=layer,
+                                      limits=self.limits or device_limits())
+
+    def __call__(self, q, k, v, kv_cache, layer, meta):
+        if self.mesh is None:
+            return self._layer(q, k, v, kv_cache, layer, meta)
+        from pagedjax import parallel
+
+        # a custom call GSPMD cannot partition: each device writes and reads its own kv heads
+        return parallel.shard_attention(self._layer, self.mesh)(q, k, v, kv_cache, layer, meta)
+
+
+@dataclasses.dataclass(frozen=True)
+class JnpAttention(_WriteThenRead):
+    """The pure-jnp ragged reference, written then read as the kernel is: the truth in tests."""
+
+    def attend(self, q, k_cache, v_cache, layer, meta):
+        from pagedjax.pallas.reference import ragged_paged_attention_reference
+
+        return ragged_paged_attention_reference(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                                meta.query_start_loc, meta.num_seqs, layer=layer)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Split(Attention):
+    """The CPU backends: read-only pool, the step's K/V merged in (pagedjax.attention.xla)."""
+
+    writes_kv = False
+
+    def plan(self, meta, num_tokens):
+        layout = token_layout(meta, num_tokens)
+        return layout, meta.block_tables[layout.seq]          # each token's row's table [T, P]
+
+    def split(self, qg, k, v, k_cache, v_cache, layer, tables, layout):
+        raise NotImplementedError
+
+    def __call__(self, q, k, v, kv_cache, layer, plan):
+        layout, tables = plan
+        T, H, D = q.shape
+        kvh = k.shape[1]
+        qg = q.astype(jnp.float32).reshape(T, kvh, H // kvh, D) * D ** -0.5
+        o = self.split(qg, k, v, kv_cache[0], kv_cache[1], layer, tables, layout)
+        return o.astype(q.dtype), kv_cache
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaAttention(_Split):
+    """The "reference" backend: context and split attention in XLA ops."""
+
+    def split(self, qg, k, v, k_cache, v_cache, layer, tables, layout):
+        from pagedjax.attention.xla import xla_attention
+
+        return xla_attention(qg, k, v, k_cache, v_cache, layer, tables, layout)
+
+
+@dataclasses.dataclass(frozen=True)
+class NativeAttention(_Split):
+    """The "native" backend: the same in one C++ call per layer (pagedjax.native)."""
+
+    def split(self, qg, k, v, k_cache, v_cache, layer, tables, layout):
+        from pagedjax import native
+
+        return native.attention(qg, k, v, k_cache, v_cache, layer, tables, layout)
+
+
+def resolve_backend(backend: str, tensor_parallel_size: int = 1, platform: str | None = None) -> str:
+    """The backend an engine runs: "auto" is "native" on a CPU when the kernel builds and the heads
+    are not split over devices (an FFI call has no sharding rule), else "reference"; "pallas"
+    on a GPU or TPU. An explicit "native" that cannot run is an error that says why."""
+    from pagedjax import native
+
+    platform = platform or jax.default_backend()
+    if backend == "auto":
+        if platform != "cpu":
+            return "pallas"
+        return "native" if tensor_parallel_size == 1 and native.available() else "reference"
+    if backend not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {', '.join(repr(b) for b in BACKENDS)}, got {backend!r}")
+    if backend == "native":
+        if platform != "cpu":
+            raise ValueError(f"attention_backend='native' is a CPU kernel; this process runs on "
+                             f"{platform!r} (use 'auto' or 'pallas')")
+        if tensor_parallel_size != 1:
+            raise ValueError(f"attention_backend='native' needs tensor_parallel_size 1, got {tensor_parallel_size} "
+                             "(use 'reference' to split heads over devices)")
+        if not native.available():
+            raise ValueError(f"attention_backend='native': the CPU kernel could not be built: "
+                             f"{native.unavailable_reason()}")
+    return backend
+
+
+def make_attention(backend: str, *, limits: DeviceLimits | None = None, mesh: Any = None) -> Attention:
+    """The backend object for a resolved backend name (see resolve_backend)."""
+    if backend == "pallas":
+        return PallasAttention(limits, mesh)
+    if backend == "native":
+        return NativeAttention()
+    if backend == "reference":
+        return XlaAttention()
+    if backend == "jnp":
+        return JnpAttention()
+    raise ValueError(f"no attention backend {backend!r}; resolve 'auto' first (resolve_backend)")

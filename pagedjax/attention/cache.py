@@ -1,0 +1,56 @@
+"""The KV pool and how a step's K/V get into it.
+
+    (k_cache, v_cache), each [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
+
+A token's flat slot is block_id * block_size + offset; slot -1 marks a padding token, whose K/V
+is not written. Block 0 is the null block: padding rows of a block table point at it, so a
+kernel that follows an unused entry reads in bounds (and masks what it reads).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+def init_kv_cache(cfg, num_blocks: int, block_size: int, dtype: Any = jnp.float32):
+    """Zeroed `(k_cache, v_cache)`, each `[num_layers, num_kv_heads, num_blocks, block_size, head_dim]`."""
+    shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
+    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+
+
+def _finite(new, dtype):
+    # The pool never holds a non-finite value: a request whose activations overflow ends with an
+    # error, and its blocks are reused by others whose attention must not meet 0 * NaN.
+    return jnp.where(jnp.isfinite(new), new, 0).astype(dtype)
+
+
+def write_kv(cache: jax.Array, new: jax.Array, slot_mapping: jax.Array) -> jax.Array:
+    """Scatter new K or V into the paged cache at flat slots; slot -1 rows are dropped.
+
+    cache: [..., KVH, num_blocks, block_size, D]; new: [..., T, KVH, D] with the same leading dims
+    (the whole stack after a layer loop: [L, T, KVH, D] into [L, KVH, ...]).
+    """
+    *lead, kvh, nb, bs, d = cache.shape
+    flat = cache.reshape(*lead, kvh, nb * bs, d)
+    # -1 would wrap around to the last slot under numpy indexing rules: send it out of range instead,
+    # where mode="drop" discards it.
+    slots = jnp.where(slot_mapping < 0, nb * bs, slot_mapping)
+    flat = flat.at[..., slots, :].set(jnp.swapaxes(_finite(new, cache.dtype), -3, -2), mode="drop")
+    return flat.reshape(cache.shape)
+
+
+def write_layer(cache: jax.Array, layer: jax.Array, new: jax.Array, slot_mapping: jax.Array) -> jax.Array:
+    """Scatter one layer's new K or V [T, KVH, D] into the stacked pool [L, KVH, NB, BS, D] at
+    `layer`, in place when the pool is a loop carry (no layer is sliced out and copied)."""
+    _, kvh, nb, bs, d = cache.shape
+    t = new.shape[0]
+    block = jnp.where(slot_mapping < 0, nb, slot_mapping // bs)  # out of range: dropped
+    offset = slot_mapping % bs
+    # one head_dim row per (token, kv head): a scatter whose window is the minor dimension alone
+    # leaves the pool in its row-major layout, the one the Pallas kernels read
+    heads = jnp.tile(jnp.arange(kvh, dtype=jnp.int32), t)
+    rows = _finite(new, cache.dtype).reshape(t * kvh, d)
+    return cache.at[layer, heads, jnp.repeat(block, kvh), jnp.repeat(offset, kvh), :].set(rows, mode="drop")
