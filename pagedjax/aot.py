@@ -431,7 +431,8 @@ def compile_engine_step(target: str | Target, cfg, *, num_tokens: int, num_seqs:
     from pagedjax import parallel
     from pagedjax.attention import make_attention
     from pagedjax.model.llama import param_shapes
-    from pagedjax.runner import make_step, resample_step, step_input_arrays, SAMPLING_INPUTS
+    from pagedjax.runner import make_step, resample_step
+    from pagedjax.scheduler.batch import StepInput
 
     t = get_target(target)
     n = tensor_parallel_size
@@ -450,7 +451,7 @@ def compile_engine_step(target: str | Target, cfg, *, num_tokens: int, num_seqs:
             kv = abstract((pool, pool), parallel.kv_sharding(mesh))
         else:
             params, kv = abstract(shapes, replicated), abstract((pool, pool), replicated)
-        inputs = abstract(step_input_arrays(num_tokens, num_seqs, pages), replicated)
+        inputs = abstract(StepInput.padding(num_tokens, num_seqs, pages), replicated)
         step = make_step(c, backend=backend, mesh=mesh if n > 1 else None, limits=t.limits, unroll=unroll)
         return params, kv, inputs, step
 
@@ -460,8 +461,7 @@ def compile_engine_step(target: str | Target, cfg, *, num_tokens: int, num_seqs:
     vocab = jax.ShapeDtypeStruct((num_seqs, cfg.vocab_size), jnp.float32, sharding=replicated)
     rows = jax.ShapeDtypeStruct((num_seqs,), jnp.float32, sharding=replicated)
     ids = jax.ShapeDtypeStruct((num_seqs,), jnp.int32, sharding=replicated)
-    sampling = {k: inputs[k] for k in SAMPLING_INPUTS}
-    sampler = compile(resample_step, vocab, rows, ids, sampling, target=t, mesh=mesh)
+    sampler = compile(resample_step, vocab, rows, ids, inputs.sampling, target=t, mesh=mesh)
 
     def total(p: Compiled):
         return np.array([p.cost["flops"], p.cost["bytes_accessed"], p.cost["transcendentals"]])

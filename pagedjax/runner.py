@@ -1,6 +1,6 @@
 """The device side: the KV cache, one jitted step per shape bucket, and the block copies.
 
-    step(params, kv_cache, StepInput arrays) -> (sampled ids, logprobs, finite, kv_cache)
+    step(params, kv_cache, StepInput) -> (sampled ids, logprobs, finite, kv_cache)
 
 compiled once per bucket (T tokens, S rows, P block-table columns) with the cache donated, so
 the new K/V are written in place. Which requests run only changes the values of the inputs:
@@ -30,15 +30,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from pagedjax import parallel
-from pagedjax.attention import AttentionMetadata, init_kv_cache, make_attention, resolve_backend
+from pagedjax.attention import init_kv_cache, make_attention, resolve_backend
 from pagedjax.config import EngineConfig
 from pagedjax.model.llama import ModelConfig, compute_logits, forward
 from pagedjax.pallas.common import DeviceLimits, device_limits
 from pagedjax.sampling import greedy, resample
-from pagedjax.scheduler.batch import StepInput
+from pagedjax.scheduler.batch import SamplingInputs, StepInput, step_fields
 from pagedjax.scheduler.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+# The step's inputs are plain dataclasses of numpy arrays on the host (no JAX there); the jitted
+# step takes them as they are.
+for _cls in (StepInput, SamplingInputs):
+    jax.tree_util.register_dataclass(_cls, data_fields=step_fields(_cls), meta_fields=[])
 
 COPY_BUCKETS = (8, 64, 512)
 
@@ -65,18 +70,17 @@ def _keep_pool_sharding(kv_cache, mesh):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attention", "num_logprobs", "logits_hook", "mesh", "unroll"),
                    donate_argnums=(1,))
-def _step_fn(params, kv_cache, a, *, cfg, attention, num_logprobs, logits_hook, mesh=None, unroll=False):
+def _step_fn(params, kv_cache, step: StepInput, *, cfg, attention, num_logprobs, logits_hook, mesh=None,
+             unroll=False):
     _trace()
-    meta = AttentionMetadata(a["slot_mapping"], a["block_tables"], a["context_lens"],
-                             a["query_start_loc"], a["num_seqs"])
-    hidden, kv_cache = forward(params, cfg, a["token_ids"], a["positions"], kv_cache, meta, attention,
+    hidden, kv_cache = forward(params, cfg, step.token_ids, step.positions, kv_cache, step.attention, attention,
                                unroll=unroll)
     kv_cache = _keep_pool_sharding(kv_cache, mesh)
-    logits = compute_logits(params, cfg, hidden[a["logits_indices"]])
+    logits = compute_logits(params, cfg, hidden[step.logits_indices])
     if mesh is not None:  # gathered: every device samples the same whole rows
         logits = jax.lax.with_sharding_constraint(logits, parallel.replicated(mesh))
     if logits_hook is not None:
-        logits = logits_hook(logits, a)
+        logits = logits_hook(logits, step)
     finite = jnp.all(jnp.isfinite(logits), axis=-1)
     safe = jnp.where(finite[:, None], logits, 0.0)
     tokens, logprob, lse, top_ids, top_lps = greedy(safe, num_logprobs)
@@ -85,17 +89,14 @@ def _step_fn(params, kv_cache, a, *, cfg, attention, num_logprobs, logits_hook, 
 
 
 @jax.jit
-def resample_step(safe, lse, tokens, a):
-    """(tokens, logprobs) after sampling: the step's rows with temperature > 0 sampled from its logits (non-finite rows already
-    zeroed by the step; the others keep their greedy token): a second call, because inside the
-    step it cost every step ~5 ms (see `pagedjax.sampling.sample`). One compilation per row
-    bucket S."""
+def resample_step(safe, lse, tokens, sampling: SamplingInputs):
+    """(tokens, logprobs) after sampling: the step's rows with temperature > 0 sampled from its
+    logits (non-finite rows already zeroed by the step; the others keep their greedy token): a
+    second call, because inside the step it cost every step ~5 ms (see `pagedjax.sampling.sample`).
+    One compilation per row bucket S."""
     _trace()
-    return resample(safe, lse, tokens, a["temperature"], a["top_k"], a["top_p"], a["min_p"], a["seeds"],
-                    a["sample_positions"])
-
-
-SAMPLING_INPUTS = ("temperature", "top_k", "top_p", "min_p", "seeds", "sample_positions")
+    s = sampling
+    return resample(safe, lse, tokens, s.temperature, s.top_k, s.top_p, s.min_p, s.seeds, s.sample_positions)
 
 
 @functools.partial(jax.jit, static_argnames=("mesh",), donate_argnums=(0,))
@@ -128,19 +129,6 @@ def make_step(cfg: ModelConfig, *, backend: str, num_logprobs: int = 0, logits_h
                              logits_hook=logits_hook, mesh=mesh, unroll=unroll)
 
 
-def step_input_arrays(T: int, S: int, P: int) -> dict[str, np.ndarray]:
-    """Padding-only inputs of one (T tokens, S rows, P block-table columns) bucket: every token
-    writes nowhere, every row is empty. Warm-up runs them; `pagedjax.aot` takes their shapes."""
-    i32 = np.int32
-    return dict(token_ids=np.zeros(T, i32), positions=np.zeros(T, i32), slot_mapping=np.full(T, -1, i32),
-                query_start_loc=np.zeros(S + 1, i32), context_lens=np.zeros(S, i32),
-                block_tables=np.zeros((S, P), i32), slot_mask=np.zeros(S, bool),
-                logits_indices=np.zeros(S, i32), temperature=np.zeros(S, np.float32),
-                top_k=np.zeros(S, i32), top_p=np.ones(S, np.float32), min_p=np.zeros(S, np.float32),
-                seeds=np.zeros((S, 2), np.uint32), sample_positions=np.zeros(S, i32),
-                num_seqs=np.zeros((), i32), num_tokens=np.zeros((), i32))
-
-
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, params: Any, config: EngineConfig, num_blocks: int,
                  *, num_host_blocks: int = 0, kv_dtype: Any = None, num_logprobs: int = 0,
@@ -170,7 +158,7 @@ class ModelRunner:
         shape = (model_config.num_layers, model_config.num_kv_heads, num_host_blocks, config.block_size,
                  model_config.head_dim)
         self.host_cache = (np.zeros(shape, self.kv_dtype), np.zeros(shape, self.kv_dtype)) if num_host_blocks else None
-        # tests use it to make chosen rows' logits non-finite: (logits, StepInput arrays) -> logits
+        # tests use it to make chosen rows' logits non-finite: (logits, StepInput) -> logits
         self.logits_hook = logits_hook
         self.compile_seconds = 0.0
         self._step = make_step(model_config, backend=self.backend, num_logprobs=num_logprobs,
@@ -180,11 +168,11 @@ class ModelRunner:
             self._copy = functools.partial(_copy_fn, mesh=self.mesh)
             self._scatter = functools.partial(_scatter_fn, mesh=self.mesh)
 
-    def _inputs(self, arrays: dict[str, np.ndarray]):
+    def _inputs(self, step: StepInput):
         """Step inputs, replicated on the mesh (one block table serves every shard)."""
         if self.mesh is None:
-            return arrays
-        return jax.device_put(arrays, parallel.replicated(self.mesh))
+            return step
+        return jax.device_put(step, parallel.replicated(self.mesh))
 
     @property
     def num_compilations(self) -> int:
@@ -200,12 +188,12 @@ class ModelRunner:
             self.swap_in(out.swap_in)
         if out.block_copies:
             self.copy_blocks(out.block_copies)
-        arrays = {k: np.copy(v) for k, v in step.device_arrays().items()}  # buffers are reused next step
+        host = step.copy()  # the packer rewrites its buffers next step
         n_before = self.num_compilations
         t0 = time.perf_counter()
-        inputs = self._inputs(arrays)
+        inputs = self._inputs(host)
         results, logits, self.kv_cache = self._step(self.params, self.kv_cache, inputs)
-        if np.any(arrays["temperature"] > 0):
+        if np.any(host.sampling.temperature > 0):
             results = self._resample(results, logits, inputs)
         if out.block_copies_after:
             # contiguous forks copy blocks the step itself has just filled
@@ -220,7 +208,7 @@ class ModelRunner:
     @staticmethod
     def _resample(results, logits, inputs):
         tokens, logprob, top_ids, top_lps, finite = results
-        tokens, logprob = resample_step(*logits, tokens, {k: inputs[k] for k in SAMPLING_INPUTS})
+        tokens, logprob = resample_step(*logits, tokens, inputs.sampling)
         return tokens, logprob, top_ids, top_lps, finite
 
     # -- block moves -----------------------------------------------------------------------------
@@ -261,11 +249,11 @@ class ModelRunner:
         t0 = time.perf_counter()
         sampled_rows = set()
         for T, S, P in buckets:
-            arrays = self._inputs(step_input_arrays(T, S, P))
-            results, logits, self.kv_cache = self._step(self.params, self.kv_cache, arrays)
+            inputs = self._inputs(StepInput.padding(T, S, P))
+            results, logits, self.kv_cache = self._step(self.params, self.kv_cache, inputs)
             if S not in sampled_rows:  # the sampler compiles once per row bucket
                 sampled_rows.add(S)
-                results = self._resample(results, logits, arrays)
+                results = self._resample(results, logits, inputs)
             jax.block_until_ready(results)
         if with_copies:
             for C in COPY_BUCKETS:

@@ -10,6 +10,8 @@ head dim 64 (its AVX-512 path, where the CPU has it) and a bfloat16 pool."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -136,7 +138,7 @@ def test_native_rejects_a_block_outside_the_pool():
     require_native()
     rng = np.random.default_rng(0)
     pool, q, k, v, attn = make_batch(rng, [(20, 1)], 16, 8, 2, 4, 6, 16)
-    attn = attn._replace(block_tables=attn.block_tables.at[0, 1].set(99))
+    attn = dataclasses.replace(attn, block_tables=attn.block_tables.at[0, 1].set(99))
     with pytest.raises(Exception, match=r"block 99 outside the pool \[0, 6\)"):
         jax.block_until_ready(IMPLS["native"](q, k, v, pool, attn))
 

@@ -55,7 +55,7 @@ def llm_ref(tiny_llm):
 
 def _nan_for_seed_666(logits, a):
     """logits_hook: the rows of a request seeded 666 get non-finite logits."""
-    return jnp.where((a["seeds"][:, 0] == 666)[:, None], jnp.nan, logits)
+    return jnp.where((a.sampling.seeds[:, 0] == 666)[:, None], jnp.nan, logits)
 
 
 @pytest.fixture(scope="module")

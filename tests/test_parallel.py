@@ -52,7 +52,7 @@ def _capture_logits(logits, a):
     """logits_hook: every step's live rows' logits to the host (gathered: the hook sees them replicated)."""
     import jax
 
-    jax.debug.callback(lambda x, n: _CAPTURED.append(np.array(x[: int(n)])), logits, a["num_seqs"])
+    jax.debug.callback(lambda x, n: _CAPTURED.append(np.array(x[: int(n)])), logits, a.attention.num_seqs)
     return logits
 
 

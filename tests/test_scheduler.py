@@ -280,18 +280,20 @@ def test_packing_shapes_follow_buckets_not_membership():
     buffers = set()
     while s.has_unfinished_requests():
         out = s.schedule()
-        b = packer.pack(out, s.kv)
-        shapes.add(b.bucket)
-        buffers.add(id(b.token_ids))
-        T, S, P = b.bucket
-        assert b.token_ids.shape == (T,) and b.block_tables.shape == (S, P) and b.query_start_loc.shape == (S + 1,)
-        n = int(b.num_tokens)
+        step = packer.pack(out, s.kv)
+        b = step.attention
+        shapes.add(step.bucket)
+        buffers.add(id(step.token_ids))
+        T, S, P = step.bucket
+        assert step.token_ids.shape == (T,) and b.block_tables.shape == (S, P) and b.query_start_loc.shape == (S + 1,)
+        n = step.num_tokens
+        assert n == sum(out.num_new_tokens)
         assert (b.slot_mapping[n:] == -1).all() and (b.slot_mapping[:n] >= 0).all()
-        assert not b.slot_mask[int(b.num_seqs):].any()
+        assert not b.context_lens[int(b.num_seqs):].any()
         for row, (r, k) in enumerate(zip(out.scheduled, out.num_new_tokens)):
             lo, hi = b.query_start_loc[row], b.query_start_loc[row + 1]
             assert hi - lo == k
-            assert list(b.token_ids[lo:hi]) == r.all_token_ids[r.num_computed_tokens:r.num_computed_tokens + k]
+            assert list(step.token_ids[lo:hi]) == r.all_token_ids[r.num_computed_tokens:r.num_computed_tokens + k]
             table = s.kv.get_block_table(r.request_id)
             assert list(b.block_tables[row, :len(table)]) == table and not b.block_tables[row, len(table):].any()
             assert b.context_lens[row] == r.num_computed_tokens + k

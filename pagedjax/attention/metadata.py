@@ -1,7 +1,6 @@
-"""What attention needs to know about one step, described once.
-
-AttentionMetadata is built on the host by the packer (fixed shapes per bucket) and passed into the
-jitted step as it is; TokenLayout is what the CPU backends derive from it once per step.
+"""What attention knows about one step: the AttentionMetadata the packer fills (defined once, with
+the rest of the step's inputs, in pagedjax.scheduler.batch), registered here as a pytree so the
+jitted step takes it as it is; and the TokenLayout the CPU backends derive from it once a step.
 """
 
 from __future__ import annotations
@@ -11,22 +10,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pagedjax.scheduler.batch import AttentionMetadata, step_fields
 
-class AttentionMetadata(NamedTuple):
-    """What the paged attention needs for one step; built on the host, fixed shapes per bucket.
-
-    slot_mapping:    int32[T]    flat cache slot of each token (block_id * block_size + offset), -1 = padding
-    block_tables:    int32[S, max_blocks_per_seq]  physical blocks of each sequence (unused entries 0)
-    context_lens:    int32[S]    tokens of each sequence in the cache *including* this step's tokens
-    query_start_loc: int32[S+1]  sequence s owns query rows query_start_loc[s]:query_start_loc[s+1]
-    num_seqs:        int32[]     live sequences (rows >= num_seqs are padding)
-    """
-
-    slot_mapping: jax.Array
-    block_tables: jax.Array
-    context_lens: jax.Array
-    query_start_loc: jax.Array
-    num_seqs: jax.Array
+jax.tree_util.register_dataclass(AttentionMetadata, data_fields=step_fields(AttentionMetadata), meta_fields=[])
 
 
 class TokenLayout(NamedTuple):

@@ -1,29 +1,37 @@
-"""Pack a SchedulerOutput into a StepInput: numpy arrays whose shapes depend only on the bucket.
+"""One step's inputs, described once, and the packer that fills them.
 
 The device program is compiled once per bucket (T tokens, S sequence rows, P block-table
-columns); which requests are in the batch only changes the *values* of these arrays:
+columns); which requests are in the batch only changes the *values* of these numpy arrays:
 
-    token_ids      int32[T]      the step's tokens, rows stacked; padding 0
-    positions      int32[T]      each token's position in its sequence; padding 0
-    slot_mapping   int32[T]      block_id * block_size + offset where its K/V is written; -1 = skip
-    query_start_loc int32[S+1]   row s owns tokens query_start_loc[s] : query_start_loc[s+1]
-    context_lens   int32[S]      tokens in the cache for row s after this step's writes; 0 = padding
-    block_tables   int32[S, P]   physical blocks of row s; unused entries 0 (the null block)
-    slot_mask      bool[S]       row is a real sequence
-    logits_indices int32[S]      token whose logits row s samples from (a forked sample reads
-                                 its parent's last token)
-    temperature, top_p, min_p float32[S]; top_k int32[S] (0 = off); seeds uint32[S, 2]
-    sample_positions int32[S]    position of the token being sampled (folded into the seed, so a
-                                 request's samples do not depend on its batch)
-    num_seqs, num_tokens         real rows and tokens (int32 scalars)
-    block_copies   int32[C, 2]   (src, dst) device block copies applied before the step; (0, 0) pads
+    StepInput
+      token_ids       int32[T]     the step's tokens, rows stacked; padding 0
+      positions       int32[T]     each token's position in its sequence; padding 0
+      logits_indices  int32[S]     token whose logits row s samples from (a forked sample reads
+                                   its parent's last token)
+      attention: AttentionMetadata
+        slot_mapping    int32[T]     block_id * block_size + offset where its K/V is written; -1 = skip
+        block_tables    int32[S, P]  physical blocks of row s; unused entries 0 (the null block)
+        context_lens    int32[S]     tokens in the cache for row s after this step's writes; 0 = padding
+        query_start_loc int32[S+1]   row s owns tokens query_start_loc[s] : query_start_loc[s+1]
+        num_seqs        int32[]      real rows (rows >= num_seqs are padding)
+      sampling: SamplingInputs
+        temperature, top_p, min_p float32[S]; top_k int32[S] (0 = off); seeds uint32[S, 2]
+        sample_positions int32[S]  position of the token being sampled (folded into the seed, so a
+                                   request's samples do not depend on its batch)
 
-Buffers are allocated once per bucket and rewritten in place every step.
+The host side fills them (plain numpy, no JAX: buffers are allocated once per bucket and rewritten
+in place every step); the device side registers the three classes as pytrees (pagedjax.runner,
+pagedjax.attention) and the jitted step takes a StepInput as it is. `StepInput.padding(T, S, P)`
+is a bucket's padding-only instance: every token writes nowhere, every row is empty; warm-up runs
+it and pagedjax.aot takes its shapes. Block copies (copy-on-write, swaps) travel in the
+SchedulerOutput and are applied by the runner around the step.
 """
 
 from __future__ import annotations
 
 import bisect
+import copy
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,39 +49,74 @@ def pick_bucket(buckets: tuple[int, ...], n: int, what: str) -> int:
 
 
 @dataclass
-class StepInput:
-    token_ids: np.ndarray
-    positions: np.ndarray
+class AttentionMetadata:
+    """What the paged attention needs for one step (see the module docstring)."""
+
     slot_mapping: np.ndarray
-    query_start_loc: np.ndarray
-    context_lens: np.ndarray
     block_tables: np.ndarray
-    slot_mask: np.ndarray
-    logits_indices: np.ndarray
+    context_lens: np.ndarray
+    query_start_loc: np.ndarray
+    num_seqs: np.ndarray
+
+
+@dataclass
+class SamplingInputs:
+    """Each row's sampling parameters for one step (see the module docstring)."""
+
     temperature: np.ndarray
     top_k: np.ndarray
     top_p: np.ndarray
     min_p: np.ndarray
     seeds: np.ndarray
     sample_positions: np.ndarray
-    num_seqs: np.ndarray
-    num_tokens: np.ndarray
-    block_copies: np.ndarray
+
+
+@dataclass
+class StepInput:
+    """Everything the jitted step takes besides the weights and the KV pool."""
+
+    token_ids: np.ndarray
+    positions: np.ndarray
+    logits_indices: np.ndarray
+    attention: AttentionMetadata
+    sampling: SamplingInputs
 
     @property
     def bucket(self) -> tuple[int, int, int]:
         """(T, S, P): the shape key the device program is compiled for."""
-        return (self.token_ids.shape[0], self.slot_mask.shape[0], self.block_tables.shape[1])
+        return (self.token_ids.shape[0], self.logits_indices.shape[0], self.attention.block_tables.shape[1])
 
-    def device_arrays(self) -> dict[str, np.ndarray]:
-        """The arrays the jitted step takes (block copies are applied separately)."""
-        return {k: v for k, v in self.__dict__.items() if k != "block_copies"}
+    @classmethod
+    def padding(cls, T: int, S: int, P: int) -> StepInput:
+        """A bucket's padding-only inputs: every token writes nowhere, every row is empty."""
+        i32 = np.int32
+        return cls(
+            token_ids=np.zeros(T, i32), positions=np.zeros(T, i32), logits_indices=np.zeros(S, i32),
+            attention=AttentionMetadata(slot_mapping=np.full(T, -1, i32), block_tables=np.zeros((S, P), i32),
+                                        context_lens=np.zeros(S, i32), query_start_loc=np.zeros(S + 1, i32),
+                                        num_seqs=np.zeros((), i32)),
+            sampling=SamplingInputs(temperature=np.zeros(S, np.float32), top_k=np.zeros(S, i32),
+                                    top_p=np.ones(S, np.float32), min_p=np.zeros(S, np.float32),
+                                    seeds=np.zeros((S, 2), np.uint32), sample_positions=np.zeros(S, i32)))
+
+    def copy(self) -> StepInput:
+        """A copy whose arrays the packer will not overwrite next step."""
+        return copy.deepcopy(self)
+
+    @property
+    def num_tokens(self) -> int:
+        """Real tokens this step."""
+        return int(self.attention.query_start_loc[int(self.attention.num_seqs)])
+
+
+def step_fields(cls) -> list[str]:
+    """The array (or nested) fields of a step class, for registering it as a pytree."""
+    return [f.name for f in dataclasses.fields(cls)]
 
 
 class BatchPacker:
-    def __init__(self, config: EngineConfig, copy_buckets: tuple[int, ...] = (8, 64, 512)):
+    def __init__(self, config: EngineConfig):
         self.config = config
-        self.copy_buckets = copy_buckets
         self._buffers: dict[tuple[int, int, int], StepInput] = {}
 
     def rows_for(self, T: int) -> int:
@@ -84,17 +127,7 @@ class BatchPacker:
     def _buffers_for(self, T: int, S: int, P: int) -> StepInput:
         buf = self._buffers.get((T, S, P))
         if buf is None:
-            i32 = np.int32
-            buf = StepInput(
-                token_ids=np.zeros(T, i32), positions=np.zeros(T, i32), slot_mapping=np.full(T, -1, i32),
-                query_start_loc=np.zeros(S + 1, i32), context_lens=np.zeros(S, i32),
-                block_tables=np.zeros((S, P), i32), slot_mask=np.zeros(S, bool),
-                logits_indices=np.zeros(S, i32), temperature=np.zeros(S, np.float32),
-                top_k=np.zeros(S, i32), top_p=np.ones(S, np.float32), min_p=np.zeros(S, np.float32),
-                seeds=np.zeros((S, 2), np.uint32), sample_positions=np.zeros(S, i32),
-                num_seqs=np.zeros((), i32), num_tokens=np.zeros((), i32),
-                block_copies=np.zeros((0, 2), i32))
-            self._buffers[(T, S, P)] = buf
+            buf = self._buffers[(T, S, P)] = StepInput.padding(T, S, P)
         return buf
 
     def pack(self, out: SchedulerOutput, kv: KVCacheManager) -> StepInput:
@@ -109,22 +142,22 @@ class BatchPacker:
         T = pick_bucket(cfg.token_buckets, max(n_tokens, len(rows), 1), "tokens in one step")
         S = self.rows_for(T)
         P = pick_bucket(cfg.page_buckets, max(max_pages, 1), "blocks per sequence")
-        b = self._buffers_for(T, S, P)
+        buf = self._buffers_for(T, S, P)
+        a, sp = buf.attention, buf.sampling
 
         # padding: tokens write nowhere, rows read the null block and sample nothing
-        b.token_ids[n_tokens:] = 0
-        b.positions[n_tokens:] = 0
-        b.slot_mapping[n_tokens:] = -1
-        b.block_tables.fill(0)
-        b.context_lens.fill(0)
-        b.slot_mask.fill(False)
-        b.logits_indices.fill(0)
-        b.temperature.fill(0)
-        b.top_k.fill(0)
-        b.top_p.fill(1)
-        b.min_p.fill(0)
-        b.seeds.fill(0)
-        b.sample_positions.fill(0)
+        buf.token_ids[n_tokens:] = 0
+        buf.positions[n_tokens:] = 0
+        a.slot_mapping[n_tokens:] = -1
+        a.block_tables.fill(0)
+        a.context_lens.fill(0)
+        buf.logits_indices.fill(0)
+        sp.temperature.fill(0)
+        sp.top_k.fill(0)
+        sp.top_p.fill(1)
+        sp.min_p.fill(0)
+        sp.seeds.fill(0)
+        sp.sample_positions.fill(0)
 
         # one pass over the rows builds plain lists; each array is then written once
         qsl, last_row = [], []
@@ -151,35 +184,23 @@ class BatchPacker:
             table_vals.extend(table)
         R = len(rows)
         if R:
-            b.token_ids[:q] = tok
-            b.positions[:q] = pos
-            b.slot_mapping[:q] = slot
+            buf.token_ids[:q] = tok
+            buf.positions[:q] = pos
+            a.slot_mapping[:q] = slot
             lens = np.asarray(table_lens)
             starts = np.repeat(np.cumsum(lens) - lens, lens)
-            b.block_tables[np.repeat(np.arange(R), lens), np.arange(len(table_vals)) - starts] = table_vals
-            b.query_start_loc[:R] = qsl
-            b.context_lens[:R] = ctx
-            b.slot_mask[:R] = True
+            a.block_tables[np.repeat(np.arange(R), lens), np.arange(len(table_vals)) - starts] = table_vals
+            a.query_start_loc[:R] = qsl
+            a.context_lens[:R] = ctx
             # one float64 row per request: temperature, top_k, top_p, min_p, seed low, seed high
             params = np.array([r.sampling_row for r in rows], np.float64)
-            b.temperature[:R] = params[:, 0]
-            b.top_k[:R] = params[:, 1]
-            b.top_p[:R] = params[:, 2]
-            b.min_p[:R] = params[:, 3]
-            b.seeds[:R] = params[:, 4:6]
-            b.sample_positions[:R] = ctx
-            b.logits_indices[:R] = [last_row[src] for src in out.sample_from]
-        b.query_start_loc[len(rows):] = q
-        b.num_seqs[()] = len(rows)
-        b.num_tokens[()] = n_tokens
-        b.block_copies = self._pad_pairs(out.block_copies)
-        return b
-
-    def _pad_pairs(self, pairs: list[tuple[int, int]]) -> np.ndarray:
-        if not pairs:
-            return np.zeros((0, 2), np.int32)
-        n = len(pairs)
-        C = self.copy_buckets[bisect.bisect_left(self.copy_buckets, n)] if n <= self.copy_buckets[-1] else n
-        arr = np.zeros((C, 2), np.int32)
-        arr[:n] = pairs
-        return arr
+            sp.temperature[:R] = params[:, 0]
+            sp.top_k[:R] = params[:, 1]
+            sp.top_p[:R] = params[:, 2]
+            sp.min_p[:R] = params[:, 3]
+            sp.seeds[:R] = params[:, 4:6]
+            sp.sample_positions[:R] = ctx
+            buf.logits_indices[:R] = [last_row[src] for src in out.sample_from]
+        a.query_start_loc[len(rows):] = q
+        a.num_seqs[()] = len(rows)
+        return buf

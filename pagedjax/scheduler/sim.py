@@ -111,10 +111,11 @@ class SimExecutor:
         self._copy_blocks(out.swap_in, self.host, self.kv)
         self._copy_blocks(out.block_copies, self.kv, self.kv)
 
-        S = int(step.num_seqs)
-        ctx = step.context_lens[:S].astype(np.int64)
-        tables = step.block_tables[:S].astype(np.int64)
-        qsl = step.query_start_loc[:S + 1].astype(np.int64)
+        a = step.attention
+        S = int(a.num_seqs)
+        ctx = a.context_lens[:S].astype(np.int64)
+        tables = a.block_tables[:S].astype(np.int64)
+        qsl = a.query_start_loc[:S + 1].astype(np.int64)
         start = ctx - (qsl[1:] - qsl[:-1])  # the first position each row computes this step
         rows = np.arange(S)
         src = np.asarray(out.sample_from, np.int64)  # a forked sample samples from its parent's row
@@ -134,15 +135,16 @@ class SimExecutor:
             for s, req in enumerate(out.scheduled):
                 if src[s] == s:
                     self._check(req, cached(s, np.arange(int(start[s]))), "reads")
-        n = int(step.num_tokens)
-        slots = step.slot_mapping[:n]
+        n = step.num_tokens
+        slots = a.slot_mapping[:n]
         self.kv[slots[slots >= 0]] = step.token_ids[:n][slots >= 0]
         self._copy_blocks(out.block_copies_after, self.kv, self.kv)
         if self.check_kv:  # and what later steps will read
             for s, req in enumerate(out.scheduled):
                 self._check(req, cached(s, np.arange(int(ctx[s]))), "holds")
 
-        seed = step.seeds[:S, 0].astype(np.uint64) | (step.seeds[:S, 1].astype(np.uint64) << np.uint64(32))
+        seeds = step.sampling.seeds
+        seed = seeds[:S, 0].astype(np.uint64) | (seeds[:S, 1].astype(np.uint64) << np.uint64(32))
         sampled = next_token_rule(seed, ctx, prev, back, self.vocab)
         errors = self.logits_hook(out) if self.logits_hook else None
         dt = self.cost.fixed + self.cost.per_token * n + self.cost.per_context_token * float(ctx.sum())
