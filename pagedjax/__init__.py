@@ -5,15 +5,15 @@ from pagedjax.sampling_params import SamplingParams
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "BeamSearchParams",
            "EngineConfig"]
 
+# the engine imports JAX; the host-side modules (scheduler, block pool) must stay importable without it
+_LAZY = {"LLM": "pagedjax.llm", "LLMEngine": "pagedjax.engine", "RequestOutput": "pagedjax.outputs",
+         "CompletionOutput": "pagedjax.outputs", "BeamSearchParams": "pagedjax.beam_search",
+         "EngineConfig": "pagedjax.config"}
+
 
 def __getattr__(name):
-    # the engine imports JAX; the host-side modules (scheduler, block pool) must stay importable without it
-    if name in ("LLM", "LLMEngine", "RequestOutput", "CompletionOutput", "BeamSearchParams"):
-        from pagedjax import engine
+    if name in _LAZY:
+        import importlib
 
-        return getattr(engine, name)
-    if name == "EngineConfig":
-        from pagedjax.config import EngineConfig
-
-        return EngineConfig
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'pagedjax' has no attribute {name!r}")

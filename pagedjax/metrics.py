@@ -13,10 +13,13 @@ and hits, and which request sat in which seat (the occupancy timeline).
 
 from __future__ import annotations
 
+import logging
+from collections import deque
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+logger = logging.getLogger(__name__)
 PERCENTILES = (50, 90, 99)
 
 
@@ -96,11 +99,26 @@ class MetricsRecorder:
     record_occupancy: bool = True
     steps: list[StepStats] = field(default_factory=list)
     finished: list[RequestRecord] = field(default_factory=list)
+    recent_preemptions: deque = field(default_factory=deque)   # step of each preemption, last 100 steps
+    last_preemption_warning: int = -(10**9)
 
     def record_step(self, stats: StepStats) -> None:
         if not self.record_occupancy:
             stats.occupancy = None
         self.steps.append(stats)
+        self._warn_on_sustained_preemption(stats)
+
+    def _warn_on_sustained_preemption(self, stats: StepStats) -> None:
+        window = self.recent_preemptions
+        window.extend([stats.step] * stats.num_preempted)
+        while window and window[0] <= stats.step - 100:
+            window.popleft()
+        if len(window) > 5 and stats.step - self.last_preemption_warning >= 100:
+            self.last_preemption_warning = stats.step
+            logger.warning(
+                "%d preemptions in the last 100 steps: the KV pool is too small for this concurrency. "
+                "Lower max_num_seqs, raise num_blocks / gpu_memory_utilization, or lower max_model_len.",
+                len(window))
 
     def record_finished(self, req) -> RequestRecord:
         t = req.times

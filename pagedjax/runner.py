@@ -36,7 +36,7 @@ from pagedjax.model.llama import ModelConfig, compute_logits, forward
 from pagedjax.pallas.common import DeviceLimits, device_limits
 from pagedjax.sampling import greedy, resample
 from pagedjax.scheduler.batch import SamplingInputs, StepInput, step_fields
-from pagedjax.scheduler.scheduler import SchedulerOutput
+from pagedjax.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

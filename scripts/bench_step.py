@@ -187,8 +187,7 @@ def main() -> int:
                               backend=eng.backend)
                  for w in (True, False)],
                 args.steps)
-        for rid in list(eng._groups):
-            eng.abort_request(rid)
+        eng.abort_request([f"b{B}-{i}" for i in range(B)])
         row = {"batch": B, "prompt": args.context, "mean_context_after": context, "step_ms": full * 1e3, "matmul_only_ms": mm * 1e3,
                "ratio": full / mm, "decode_tok_s": B / full, "new_compilations": eng.num_compilations - compiles,
                "forward_ms": fwd and fwd * 1e3, "forward_no_context_ms": fwd_noctx and fwd_noctx * 1e3}

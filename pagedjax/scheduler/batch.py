@@ -38,7 +38,7 @@ import numpy as np
 
 from pagedjax.config import EngineConfig
 from pagedjax.scheduler.kv_cache_manager import KVCacheManager, cdiv
-from pagedjax.scheduler.scheduler import SchedulerOutput
+from pagedjax.scheduler.output import SchedulerOutput
 
 
 def pick_bucket(buckets: tuple[int, ...], n: int, what: str) -> int:

@@ -135,7 +135,7 @@ class KVCacheManager:
         return blocks, len(blocks) * self.block_size
 
     # -- allocation ----------------------------------------------------------------------
-    def _reservation(self, request: Any) -> int:
+    def reservation(self, request: Any) -> int:
         if self.contiguous_reserve == "request":
             return cdiv(request.max_num_tokens, self.block_size)
         return cdiv(self.max_model_len, self.block_size)
@@ -175,7 +175,7 @@ class KVCacheManager:
         total = num_computed + num_new_tokens
 
         if self.contiguous:
-            reserve = self._reservation(request)
+            reserve = self.reservation(request)
             if total > reserve * bs:
                 raise ValueError(f"request {req_id!r} needs {total} tokens, beyond its contiguous "
                                  f"reservation of {reserve * bs} (max_model_len / max_num_tokens)")

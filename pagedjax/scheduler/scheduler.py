@@ -24,73 +24,19 @@ empty until then. Same packing, same metrics.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 from pagedjax.config import EngineConfig
 from pagedjax.metrics import MetricsRecorder, StepStats
 from pagedjax.scheduler.kv_cache_manager import KVCacheManager, cdiv
-from pagedjax.scheduler.sequence import Request, RequestStatus
+from pagedjax.scheduler.output import SchedulerOutput
+from pagedjax.scheduler.sequence import Request, RequestStatus, derive_seed
 
 logger = logging.getLogger(__name__)
-
-
-def derive_seed(seed: int, index: int) -> int:
-    """Seed of sample `index` of a group: distinct, deterministic, in [0, 2**63)."""
-    if index == 0:
-        return seed
-    x = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9) & (2**64 - 1)
-    x ^= x >> 31
-    return x & (2**63 - 1)
-
-
-@dataclass
-class SchedulerOutput:
-    """Everything the runner must do in one step. Row i of the batch is `scheduled[i]`."""
-
-    step: int
-    scheduled: list[Request] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)   # tokens computed for each row this step
-    sample_from: list[int] = field(default_factory=list)      # the row whose last token's logits it samples
-    needs_sample: list[bool] = field(default_factory=list)    # False for a prefill chunk before the prompt's end
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device blocks, before the forward
-    # (src, dst) device blocks copied *after* the forward pass: a contiguous fork copies the
-    # prompt the parent's last chunk writes in this very step
-    block_copies_after: list[tuple[int, int]] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)      # (device, host) blocks
-    swap_in: list[tuple[int, int]] = field(default_factory=list)       # (host, device) blocks
-    preempted: list[str] = field(default_factory=list)
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
-    prefix_query_tokens: int = 0
-    prefix_hit_tokens: int = 0
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return self.num_prefill_tokens + self.num_decode_tokens
-
-    @property
-    def num_rows(self) -> int:
-        return len(self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled and not self.swap_out
-
-    def _add(self, req: Request, num_new: int, sample_from: int | None = None) -> None:
-        row = len(self.scheduled)
-        self.scheduled.append(req)
-        self.num_new_tokens.append(num_new)
-        self.sample_from.append(row if sample_from is None else sample_from)
-        num_computed = req.num_computed_tokens
-        self.needs_sample.append(num_computed + num_new >= len(req.all_token_ids))
-        if num_new == 1 and num_computed >= len(req.prompt_token_ids):
-            self.num_decode_tokens += 1
-        else:
-            self.num_prefill_tokens += num_new
 
 
 class Scheduler:
@@ -119,8 +65,6 @@ class Scheduler:
         self.step_counter = 0
         self.metrics = MetricsRecorder(config.max_num_seqs)
         self.num_preemptions = 0
-        self._recent_preemptions: deque[int] = deque()
-        self._last_preemption_warning = -(10**9)
         self._forked: list[Request] = []
 
     # -- admission ----------------------------------------------------------------------------
@@ -146,7 +90,7 @@ class Scheduler:
         # a request must be able to run to max_tokens alone, or preemption could never help it
         usable = self.num_blocks - 1
         if self.kv.contiguous:
-            need = self.kv._reservation(req) * req.sampling_params.n
+            need = self.kv.reservation(req) * req.sampling_params.n
             what = f"its contiguous reservation (x n={req.sampling_params.n})"
         else:
             need = cdiv(req.max_num_tokens, cfg.block_size)
@@ -259,15 +203,15 @@ class Scheduler:
         if (req.needs_fork
                 and req.num_computed_tokens + len(hits or ()) * self.config.block_size + num_new >= req.num_prompt_tokens):
             # contiguous siblings each reserve (and copy into) a slab of their own at the fork
-            fork_blocks = (req.sampling_params.n - 1) * self.kv._reservation(req)
-            if fork_blocks + self.kv._reservation(req) - len(self.kv.req_to_blocks.get(req.request_id, ())) \
+            fork_blocks = (req.sampling_params.n - 1) * self.kv.reservation(req)
+            if fork_blocks + self.kv.reservation(req) - len(self.kv.req_to_blocks.get(req.request_id, ())) \
                     > self.kv.num_free_blocks():
                 return False
         return self.kv.allocate_slots(req, num_new, hits) is not None
 
     def _schedule_row(self, req: Request, num_new: int, out: SchedulerOutput, forked: list, now: float) -> None:
         row = len(out.scheduled)
-        out._add(req, num_new)
+        out.add_row(req, num_new)
         if req.sampling_params.n > 1 and req.needs_fork and req.num_computed_tokens + num_new >= req.num_prompt_tokens:
             # the prompt completes this step: its n - 1 siblings share every block from here
             # and sample their first token from this row's logits with their own seeds
@@ -275,23 +219,13 @@ class Scheduler:
             for k in range(1, req.sampling_params.n):
                 child = self._fork(req, k, req.num_computed_tokens + num_new, now)
                 forked.append(child)
-                out._add(child, 0, sample_from=row)
+                out.add_row(child, 0, sample_from=row)
 
     def _fork(self, parent: Request, k: int, num_computed: int, now: float) -> Request:
-        child = Request(
-            request_id=f"{parent.request_id}#{k}", prompt_token_ids=parent.prompt_token_ids,
-            sampling_params=parent.sampling_params, arrival_time=parent.arrival_time,
-            eos_token_id=parent.eos_token_id, seed=derive_seed(parent.seed, k),
-            group_id=parent.request_id, sample_index=k, extra_key=parent.extra_key)
-        child.all_token_ids = list(parent.all_token_ids)
-        child.block_hashes = list(parent.block_hashes)
-        child.num_computed_tokens = num_computed
+        child = self._spawn(parent, f"{parent.request_id}#{k}", sample_index=k, seed=derive_seed(parent.seed, k),
+                            group_id=parent.request_id, num_computed=num_computed)
         child.num_cached_tokens = parent.num_cached_tokens
-        child.status = RequestStatus.RUNNING
-        child.order = parent.order[:2] + (k,)
         child.times.first_scheduled = now
-        self.kv.fork(parent.request_id, child.request_id)
-        self.requests[child.request_id] = child
         parent.children.append(child.request_id)
         if parent.request_id in self.static_batch:
             # the samples belong to their parent's static batch: one preempted must be readmitted
@@ -299,24 +233,64 @@ class Scheduler:
             self.static_batch.add(child.request_id)
         return child
 
-    def fork_request(self, parent_id: str, child: Request) -> None:
-        """Fork a running, fully computed request into `child` (beam search): the child shares
-        every block copy-on-write and takes a seat."""
+    def _spawn(self, parent: Request, request_id: str, *, sample_index: int = 0, seed: int | None = None,
+               group_id: str | None = None, num_computed: int | None = None) -> Request:
+        """A running request holding `parent`'s tokens and sharing every block of it copy-on-write."""
+        child = Request(request_id, parent.prompt_token_ids, parent.sampling_params, arrival_time=parent.arrival_time,
+                        eos_token_id=parent.eos_token_id, seed=parent.seed if seed is None else seed,
+                        group_id=group_id, sample_index=sample_index, extra_key=parent.extra_key)
+        child.all_token_ids = list(parent.all_token_ids)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed_tokens = parent.num_computed_tokens if num_computed is None else num_computed
+        child.status = RequestStatus.RUNNING
+        child.order = parent.order[:2] + (sample_index,)
+        self.kv.fork(parent.request_id, request_id)
+        self.requests[request_id] = child
+        return child
+
+    def fork_request(self, parent_id: str, request_id: str) -> Request:
+        """Fork a running request into a new one, `request_id`, that shares every block
+        copy-on-write, holds the same tokens and takes a seat (a new beam of a beam search)."""
         parent = self.requests.get(parent_id)
         if parent is None or parent.status != RequestStatus.RUNNING:
             raise ValueError(f"fork_request: request_id {parent_id!r} is not a running request")
-        if child.request_id in self.requests:
-            raise ValueError(f"fork_request: request_id {child.request_id!r} is already in use")
+        if request_id in self.requests:
+            raise ValueError(f"fork_request: request_id {request_id!r} is already in use")
         if self._seats_free() < 1:
             raise ValueError(f"fork_request: no free seat (max_num_seqs={self.config.max_num_seqs})")
-        self.kv.fork(parent_id, child.request_id)
-        child.block_hashes = list(parent.block_hashes)
-        child.num_computed_tokens = parent.num_computed_tokens
-        child.status = RequestStatus.RUNNING
-        child.order = parent.order[:2] + (child.sample_index,)
-        child.times.first_scheduled = parent.times.first_scheduled
-        self.requests[child.request_id] = child
+        child = self._spawn(parent, request_id)
+        child.output_token_ids = list(parent.output_token_ids)
+        child.output_logprobs = list(parent.output_logprobs)
+        child.times = dataclasses.replace(parent.times, token_times=list(parent.times.token_times))
         self._insert_running(child)
+        return child
+
+    def replace_last_token(self, request_id: str, token: int) -> None:
+        """Make another token a running request's last sampled one (a beam search choosing among
+        the candidates): allowed only while that token's K/V is not yet computed."""
+        req = self.requests.get(request_id)
+        if req is None or req.status != RequestStatus.RUNNING or not req.output_token_ids:
+            raise ValueError(f"replace_last_token: request_id {request_id!r} is not a running request "
+                             f"with a sampled token")
+        if req.num_computed_tokens >= req.num_tokens:
+            raise ValueError(f"replace_last_token: the last token of {request_id!r} is already computed")
+        req.all_token_ids[-1] = req.output_token_ids[-1] = int(token)
+
+    def rollback_step(self, out: SchedulerOutput) -> None:
+        """The step `out` did not run on the device (it raised): undo what scheduling it did, so
+        the same work is scheduled again. Nothing was appended (num_computed_tokens advances only
+        in update_from_output); the blocks registered for the step are forgotten (never filled);
+        samples forked in this step, whose KV was never written, go back to be recomputed from
+        their prompt."""
+        self.kv.rollback_step(out.scheduled)
+        for req, n in zip(out.scheduled, out.num_new_tokens):
+            if n == 0 and req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+                self._release_seat(req)
+                self.kv.free(req)
+                req.num_computed_tokens = 0
+                req.status = RequestStatus.PREEMPTED
+                self.waiting.appendleft(req)
 
     # -- preemption -----------------------------------------------------------------------------
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
@@ -473,16 +447,3 @@ class Scheduler:
             real_tokens=usage.real_tokens, kv_utilization=usage.utilization, kv_usage=usage.usage,
             num_preempted=len(out.preempted), prefix_query_tokens=out.prefix_query_tokens,
             prefix_hit_tokens=out.prefix_hit_tokens, occupancy=occupancy))
-        self._warn_on_sustained_preemption(out)
-
-    def _warn_on_sustained_preemption(self, out: SchedulerOutput) -> None:
-        window = self._recent_preemptions
-        window.extend([out.step] * len(out.preempted))
-        while window and window[0] <= out.step - 100:
-            window.popleft()
-        if len(window) > 5 and out.step - self._last_preemption_warning >= 100:
-            self._last_preemption_warning = out.step
-            logger.warning(
-                "%d preemptions in the last 100 steps: the KV pool is too small for this concurrency. "
-                "Lower max_num_seqs, raise num_blocks / gpu_memory_utilization, or lower max_model_len.",
-                len(window))

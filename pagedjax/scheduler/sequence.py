@@ -137,3 +137,12 @@ class Request:
         if self.times.first_token is None:
             self.times.first_token = now
         self.times.token_times.append(now)
+
+
+def derive_seed(seed: int, index: int) -> int:
+    """Seed of sample `index` of a group: distinct, deterministic, in [0, 2**63)."""
+    if index == 0:
+        return seed
+    x = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    x ^= x >> 31
+    return x & (2**63 - 1)

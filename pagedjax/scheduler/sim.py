@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagedjax.scheduler.batch import BatchPacker, StepInput
-from pagedjax.scheduler.scheduler import Scheduler, SchedulerOutput
+from pagedjax.scheduler.output import SchedulerOutput
+from pagedjax.scheduler.scheduler import Scheduler
 from pagedjax.scheduler.sequence import Request
 
 _M = np.uint64(0x9E3779B97F4A7C15)
