@@ -23,6 +23,7 @@ import numpy as np
 
 from pagedjax.attention import resolve_backend
 from pagedjax.config import EngineConfig
+from pagedjax.metrics import StepTiming
 from pagedjax.model.hub import LoadedModel, load_any_model
 from pagedjax.outputs import CompletionOutput, RequestOutput, format_logprobs
 from pagedjax.pallas.common import check_supported, device_limits
@@ -93,6 +94,9 @@ class LLMEngine:
         self._counter = 0
         self.warmup_seconds = None
         self.compilations_at_warmup = None
+        # per step: where the time went and which compiled bucket ran (the scheduler's
+        # metrics.steps hold what ran: rows, tokens, KV use, preemptions, prefix hits)
+        self.step_timings: list[StepTiming] = []
 
     def _default_num_blocks(self, params) -> int:
         """CPU: room for every seat at max_model_len. GPU/TPU: gpu_memory_utilization of the
@@ -197,20 +201,29 @@ class LLMEngine:
         propagates: no token is appended, the blocks allocated for it stay with their requests
         (their content is recomputed next time), and the engine stays usable."""
         sched = self.scheduler
+        t0 = time.perf_counter()
         out = sched.schedule()
         if out.is_empty:
+            self.step_timings.append(StepTiming(out.step, None, time.perf_counter() - t0))
             return []
+        t1 = time.perf_counter()
         step = self.packer.pack(out, sched.kv)
+        t2 = time.perf_counter()
         try:
             tokens, logprob, top_ids, top_lps, errors = self.runner.execute(out, step)
         except BaseException:
             self.scheduler.rollback_step(out)
             raise
+        t3 = time.perf_counter()
         lps = None
         if any(r.sampling_params.logprobs is not None for r in out.scheduled):
             lps = [(float(logprob[i]), top_ids[i].tolist(), top_lps[i].tolist()) for i in range(out.num_rows)]
         changed = sched.update_from_output(out, tokens, logprobs=lps, errors=errors)
-        return self._outputs(changed)
+        t4 = time.perf_counter()
+        outputs = self._outputs(changed)
+        self.step_timings.append(StepTiming(out.step, step.bucket, t1 - t0, t2 - t1, t3 - t2, t4 - t3,
+                                            time.perf_counter() - t4))
+        return outputs
 
     def _outputs(self, changed: list[Request]) -> list[RequestOutput]:
         touched: dict[str, _Group] = {}

@@ -6,9 +6,11 @@ Per request (as vLLM's `bench serve` defines them):
     TPOT        (e2e - TTFT) / (output tokens - 1), for requests with more than one token
     ITL         every gap between consecutive tokens of a request
     e2e         last token (finish) - arrival
-Per step: running / waiting / swapped requests, prefill and decode tokens, blocks used, real
-tokens held, KV utilization (real tokens / allocated slots), preemptions, prefix-cache queries
-and hits, and which request sat in which seat (the occupancy timeline).
+Per step (StepStats, recorded by the scheduler): running / waiting / swapped requests, prefill and
+decode tokens, blocks used, real tokens held, KV utilization (real tokens / allocated slots),
+preemptions, prefix-cache queries and hits, and which request sat in which seat (the occupancy
+timeline). Per engine step (StepTiming, recorded by LLMEngine): the host and device time of each
+phase and the compiled bucket it ran.
 """
 
 from __future__ import annotations
@@ -42,6 +44,21 @@ class StepStats:
     prefix_query_tokens: int
     prefix_hit_tokens: int
     occupancy: list | None = None   # seat -> request id scheduled in it this step (None: idle)
+
+
+@dataclass
+class StepTiming:
+    """Where one LLMEngine.step's wall time went, in seconds, and the compiled bucket it ran
+    ((T tokens, S rows, P block-table columns); None when the step ran nothing on the device).
+    execute covers the device step, its block copies and swaps, and fetching its results."""
+
+    step: int
+    bucket: tuple | None
+    schedule: float
+    pack: float = 0.0
+    execute: float = 0.0
+    update: float = 0.0
+    outputs: float = 0.0
 
 
 @dataclass

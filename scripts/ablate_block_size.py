@@ -9,7 +9,7 @@ size, the Pallas kernel 8..128):
     engine each, so each pays its own warm-up);
   - the paged decode kernel's time from results/bench_kernel.json, when scripts/bench_kernel.py
     wrote it on a GPU (interpret-mode CPU timings are ignored).
-The logic lives in pagedjax/bench.py (`ablate_block_size`).
+The logic lives in pagedjax/benchmarks/serving.py (`ablate_block_size`).
 
     python scripts/ablate_block_size.py                       # ~10 min on 2 CPU cores
     python scripts/ablate_block_size.py --block-sizes 8 16 64 --num-requests 32
@@ -24,7 +24,7 @@ import json
 import os
 import time
 
-from pagedjax import bench, bench_plots
+from pagedjax.benchmarks import plots, serving
 
 
 def main(argv=None) -> int:
@@ -41,21 +41,21 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     t0 = time.perf_counter()
-    report = bench.ablate_block_size(args.block_sizes, model=args.model, num_requests=args.num_requests,
+    report = serving.ablate_block_size(args.block_sizes, model=args.model, num_requests=args.num_requests,
                                      max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                                      run_engine=not args.no_engine, kernel_json=args.kernel_json,
                                      progress=not args.no_progress)
     report["wall_s"] = time.perf_counter() - t0
     os.makedirs(args.out, exist_ok=True)
-    png = bench_plots.block_size_ablation(report["rows"], os.path.join(args.out, "ablate_block_size.png"),
+    png = plots.block_size_ablation(report["rows"], os.path.join(args.out, "ablate_block_size.png"),
                                           f"block size ablation ({args.model})")
     path = os.path.join(args.out, "ablate_block_size.json")
     with open(path, "w") as f:
-        json.dump(bench.report_json(report), f, indent=1)
+        json.dump(serving.report_json(report), f, indent=1)
 
-    cols = [c for c in bench.ABLATION_COLUMNS if any(r.get(c[1]) is not None for r in report["rows"])]
+    cols = [c for c in serving.ABLATION_COLUMNS if any(r.get(c[1]) is not None for r in report["rows"])]
     print()
-    print(bench.format_table(report["rows"], cols))
+    print(serving.format_table(report["rows"], cols))
     print(f"\nKV waste / admitted: {report['admission']['lengths']}, {report['admission']['capacity']:,} token "
           f"slots, max length {report['admission']['max_model_len']}.")
     if not args.no_engine:

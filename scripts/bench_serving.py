@@ -1,6 +1,6 @@
 """The main job: one request list through continuous batching, static batching, contiguous KV
 reservation (all the same pagedjax engine, the same KV memory) and Hugging Face transformers'
-`generate`, with vLLM's `bench serve` metrics. The logic lives in pagedjax/bench.py.
+`generate`, with vLLM's `bench serve` metrics. The logic lives in pagedjax/benchmarks/serving.py.
 
     python scripts/bench_serving.py                     # what `make run` runs (~9 min on 2 CPU cores)
     python scripts/bench_serving.py --quick             # a small version of the same, one run each (~3 min)
@@ -29,18 +29,18 @@ import platform
 import sys
 import time
 
-from pagedjax import bench, bench_plots
+from pagedjax.benchmarks import plots, serving
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, tiny-random, a HF directory or a .gguf")
     p.add_argument("--workloads", default="mixed,similar,shared-prefix",
-                   help=f"comma-separated, of {', '.join(bench.WORKLOADS)}")
+                   help=f"comma-separated, of {', '.join(serving.WORKLOADS)}")
     p.add_argument("--systems", default=None,
-                   help=f"comma-separated, of {', '.join(bench.SYSTEMS)} (default: per workload, see above)")
+                   help=f"comma-separated, of {', '.join(serving.SYSTEMS)} (default: per workload, see above)")
     p.add_argument("--num-requests", type=int, default=None,
-                   help=f"requests per workload (default {bench.DEFAULT_NUM_REQUESTS})")
+                   help=f"requests per workload (default {serving.DEFAULT_NUM_REQUESTS})")
     p.add_argument("--max-num-seqs", type=int, default=32, help="seats: engine max_num_seqs and the hf batch size")
     p.add_argument("--request-rate", type=float, default=math.inf,
                    help="Poisson arrivals at this many requests/s (default inf: all at once)")
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
                                        token_buckets=args.token_buckets, page_buckets=args.page_buckets).items()
                  if v is not None}
     load = os.getloadavg()
-    report = bench.run_serving(args.model, workloads=workloads, systems=systems, num_requests=args.num_requests,
+    report = serving.run_serving(args.model, workloads=workloads, systems=systems, num_requests=args.num_requests,
                                max_num_seqs=args.max_num_seqs, request_rate=args.request_rate, seed=args.seed,
                                quick=args.quick, knobs=knobs, engine_overrides=overrides,
                                progress=not args.no_progress, capacity=not args.no_capacity,
@@ -100,18 +100,18 @@ def main(argv=None) -> int:
         engine_runs = [r for r in results if r.steps]
         timeline = [r for name in ("static", "continuous") for r in engine_runs if r.system == name] or engine_runs
         if timeline:
-            pngs.append(bench_plots.occupancy(timeline, base + "_occupancy.png",
+            pngs.append(plots.occupancy(timeline, base + "_occupancy.png",
                                               f"{w}: seat occupancy, static (tour bus) vs continuous (city bus)"))
         if engine_runs:
-            pngs.append(bench_plots.kv_over_time(engine_runs, base + "_kv.png", f"{w}: KV pool and batch over time"))
-        pngs.append(bench_plots.latency_cdfs(results, base + "_latency_cdf.png", f"{w}: latency CDFs"))
+            pngs.append(plots.kv_over_time(engine_runs, base + "_kv.png", f"{w}: KV pool and batch over time"))
+        pngs.append(plots.latency_cdfs(results, base + "_latency_cdf.png", f"{w}: latency CDFs"))
     report["plots"] = pngs
     report["total_wall_s"] = time.perf_counter() - t0
     path = os.path.join(args.out, f"{args.name}.json")
     with open(path, "w") as f:
-        json.dump(bench.report_json(report), f, indent=1)
+        json.dump(serving.report_json(report), f, indent=1)
 
-    print(bench.format_report(report))
+    print(serving.format_report(report))
     print(f"\nwrote {path} and {len(pngs)} plots under {args.out}/; total {report['total_wall_s']:.0f} s "
           f"(load {report['load_s']:.0f} s, warm-up {report['warmup_s']:.0f} s), load average "
           f"{load[0]:.1f} at start, {report['machine']['loadavg_at_end'][0]:.1f} at end")

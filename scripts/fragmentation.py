@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from pagedjax.memory_study import admission_study, background_lengths, mean_tail_waste
+from pagedjax.benchmarks.memory_study import admission_study, background_lengths, mean_tail_waste
 
 BLOCK_SIZES = [1, 8, 16, 32, 64, 128]
 

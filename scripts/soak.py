@@ -9,7 +9,7 @@ must). Exits non-zero if any check fails.
     python scripts/soak.py [--requests 10000] [--engine-requests 500] [--no-engine]
                            [--modes recompute swap] [--json results/soak.json]
 
-The logic lives in pagedjax/soak.py (tests/test_soak.py runs it on a few hundred requests).
+The logic lives in pagedjax/benchmarks/soak.py (tests/test_soak.py runs it on a few hundred requests).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import json
 import os
 import time
 
-from pagedjax.soak import (EngineSoakSetup, SoakSetup, ample_run, engine_ample_run, quiet_preemption_warnings,
+from pagedjax.benchmarks.soak import (EngineSoakSetup, SoakSetup, ample_run, engine_ample_run, quiet_preemption_warnings,
                            run_soak, soak_engine)
 
 

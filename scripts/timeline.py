@@ -17,7 +17,7 @@ import json
 import os
 import random
 
-from pagedjax.timeline import run_timeline
+from pagedjax.benchmarks.timeline import run_timeline
 
 
 def cases(seed: int, n: int) -> dict:

@@ -9,7 +9,7 @@ pool, block size, budgets, seats, preemption mode, scheduling policy, prefix cac
 prefill and allocation are drawn at the start, small enough that preemption is routine.
 
 Checked after every rule (and after every step inside multi-step rules):
-- the block invariants (pagedjax.soak.block_problems): every block null, free or owned, refcount
+- the block invariants (pagedjax.benchmarks.soak.block_problems): every block null, free or owned, refcount
   == tables holding it, free + owned == num_blocks - 1, every cached hash names a block whose
   shadow content is the hash's tokens; host pool likewise; all free when nothing is unfinished;
 - every computed token is where its block table says (device, or host when swapped);
@@ -44,12 +44,12 @@ from pagedjax.scheduler.kv_cache_manager import cdiv
 from pagedjax.scheduler.scheduler import Scheduler
 from pagedjax.scheduler.sequence import Request, RequestStatus
 from pagedjax.scheduler.sim import SimExecutor, VirtualClock, run_alone
-from pagedjax.soak import block_problems
+from pagedjax.benchmarks.soak import block_problems
 
 DEEP = os.environ.get("PAGEDJAX_DEEP") == "1"
 # pools here are small on purpose: the scheduler's "pool too small" / "swap space full" warnings
 # are expected by the thousand
-logging.getLogger("pagedjax.scheduler.scheduler").setLevel(logging.ERROR)
+logging.getLogger("pagedjax.metrics").setLevel(logging.ERROR)
 VOCAB = 16  # small, so sampled stop tokens and eos fire and generated tokens repeat prompt blocks
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6, 9, 9, 9, 9, 9], [3] * 12, [1, 2, 3], []]
 WAITING, RUNNING, PREEMPTED, SWAPPED = (RequestStatus.WAITING, RequestStatus.RUNNING,

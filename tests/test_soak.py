@@ -1,10 +1,10 @@
-"""The soak logic (pagedjax/soak.py, scripts/soak.py) on a few hundred requests: nothing lost,
+"""The soak logic (pagedjax/benchmarks/soak.py, scripts/soak.py) on a few hundred requests: nothing lost,
 nothing leaked, preemption and aborts in both modes, tokens equal to an ample-memory run."""
 
 import pytest
 
 from pagedjax.scheduler.sim import run_alone
-from pagedjax.soak import VOCAB, SoakSetup, ample_run, quiet_preemption_warnings, run_soak, soak_requests
+from pagedjax.benchmarks.soak import VOCAB, SoakSetup, ample_run, quiet_preemption_warnings, run_soak, soak_requests
 
 N = 300
 
@@ -64,7 +64,7 @@ ENGINE_SETUP = dict(token_buckets=(32,), page_buckets=(16,))
 
 @pytest.fixture(scope="module")
 def engine_reference():
-    from pagedjax.soak import EngineSoakSetup, engine_ample_run
+    from pagedjax.benchmarks.soak import EngineSoakSetup, engine_ample_run
 
     quiet_preemption_warnings()
     ref = engine_ample_run(ENGINE_N, seed=3, setup=EngineSoakSetup(**ENGINE_SETUP))
@@ -77,7 +77,7 @@ def engine_reference():
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_soak_engine_small(engine_reference, mode):
-    from pagedjax.soak import EngineSoakSetup, soak_engine
+    from pagedjax.benchmarks.soak import EngineSoakSetup, soak_engine
 
     r = soak_engine(ENGINE_N, mode, seed=3, abort_rate=0.15, setup=EngineSoakSetup(**ENGINE_SETUP),
                     reference=engine_reference)
@@ -93,7 +93,7 @@ def test_soak_engine_notices_a_corrupt_cache(engine_reference, monkeypatch):
     """The comparison can fail: swap-ins that leave the device blocks as they were (stale or
     another request's K/V) change the greedy tokens of the requests swapped back in."""
     from pagedjax.runner import ModelRunner
-    from pagedjax.soak import EngineSoakSetup, soak_engine
+    from pagedjax.benchmarks.soak import EngineSoakSetup, soak_engine
 
     monkeypatch.setattr(ModelRunner, "swap_in", lambda self, pairs: None)
     r = soak_engine(ENGINE_N, "swap", seed=3, abort_rate=0.15, setup=EngineSoakSetup(**ENGINE_SETUP),

@@ -250,7 +250,7 @@ def run_soak(num_requests: int = 10_000, preemption_mode: str = "recompute", *, 
 
 def quiet_preemption_warnings() -> None:
     """The soak forces preemption on purpose: the scheduler's 'pool too small' warning is expected."""
-    logging.getLogger("pagedjax.scheduler.scheduler").setLevel(logging.ERROR)
+    logging.getLogger("pagedjax.metrics").setLevel(logging.ERROR)
 
 
 # -- the real engine ------------------------------------------------------------------------------------
@@ -291,12 +291,14 @@ def engine_for_soak(setup: EngineSoakSetup, preemption_mode: str = "recompute", 
     import jax
 
     from pagedjax.engine import LLMEngine
+    from pagedjax.model.hub import load_any_model
 
-    eng = LLMEngine("tiny-random", **setup.kwargs(preemption_mode, num_blocks))
+    model = load_any_model("tiny-random", "float32", 0)  # the weights LLMEngine("tiny-random") draws (seed 0)
     if setup.weight_scale != 1:
         scale = setup.weight_scale
-        eng.runner.params = jax.tree_util.tree_map_with_path(
-            lambda path, p: p if "norm" in jax.tree_util.keystr(path) else p * scale, eng.runner.params)
+        model = model._replace(params=jax.tree_util.tree_map_with_path(
+            lambda path, p: p if "norm" in jax.tree_util.keystr(path) else p * scale, model.params))
+    eng = LLMEngine(model, **setup.kwargs(preemption_mode, num_blocks))
     if warmup:
         eng.warmup()
     return eng

@@ -1,5 +1,5 @@
 """PNG figures of the serving benchmark (matplotlib, Agg). One function per figure; each takes
-`pagedjax.bench.SystemResult`s (or plain dicts for the ablation) and a path."""
+`pagedjax.benchmarks.serving.SystemResult`s (or plain dicts for the ablation) and a path."""
 
 from __future__ import annotations
 
@@ -10,7 +10,10 @@ import numpy as np
 
 
 def _plt():
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ImportError("the benchmark plots need matplotlib: pip install -e '.[bench]' (make run installs it)") from e
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
