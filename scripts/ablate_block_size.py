@@ -2,7 +2,7 @@
 
 For each block size (default 1, 2, 4, 8, 16, 32, 64, 128; the jnp reference path on a CPU takes any
 size, the Pallas kernel 8..128):
-  - KV waste and requests admitted at a fixed KV memory: the background text's experiment through
+  - KV waste and requests admitted at a fixed KV memory: the fragmentation experiment through
     KVCacheManager (200 lengths, 32k token slots, max length 4096);
   - end-to-end output tokens/s of continuous batching on this machine: the default model, a small
     mixed workload, the same KV memory and the same context coverage for every block size (one

@@ -1,6 +1,6 @@
 """Contiguous reservation vs paged blocks: how many requests fit in one KV pool, and how much
-of the reserved memory holds real tokens. The experiment of shared/background/000_*.txt,
-run through pagedjax's real allocators.
+of the reserved memory holds real tokens: 200 requests of long-tailed lengths (mean 650, at most
+4096 tokens) admitted in order into 32,768 token slots, through pagedjax's real allocators.
 
     python scripts/fragmentation.py            # table + results/fragmentation.png
     python scripts/fragmentation.py --json     # the figures as JSON on stdout

@@ -1,5 +1,5 @@
 """Soak: 10,000 requests through the scheduler under a pool that forces preemption, in both
-preemption modes, with 5 % of them aborted at random moments (issue 7); then 500 greedy requests
+preemption modes, with 5 % of them aborted at random moments; then 500 greedy requests
 through the real engine with the tiny random model, again under a tiny pool in both modes
 (--no-engine skips it). For each run it prints requests finished / aborted / errored / lost
 (lost must be 0), blocks leaked at the end (0), preemptions, wall time, and whether every

@@ -1,4 +1,4 @@
-"""Static vs continuous batching on a few seats: the "Try it" sandbox of the background text.
+"""Static vs continuous batching on a few seats: a timeline sandbox.
 
 Three cases, each run through the real scheduler (sim executor, one time unit per step):
   mixed    output lengths that vary a lot (where continuous batching shines)

@@ -1,4 +1,4 @@
-"""The bad-input table (issue 7): every public entry point turns bad input away at the door.
+"""The bad-input table: every public entry point turns bad input away at the door.
 
 Entry points: the LLM constructor (EngineConfig knobs, the model and the pool), LLM.generate,
 SamplingParams, LLMEngine.add_request / abort_request, the kernels' Python boundary

@@ -1,4 +1,4 @@
-"""The fragmentation experiment of the background text, run through the real allocators.
+"""The fragmentation experiment, run through the real allocators.
 
 A KV pool of `capacity` token slots; requests of known final length (prompt + output) are
 admitted in order, each allocated through `KVCacheManager`, until the next one does not

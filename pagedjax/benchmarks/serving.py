@@ -65,7 +65,7 @@ SYSTEMS = (*ENGINE_SYSTEMS, "hf")
 
 # per-workload length knobs (overridable through make_workload's keyword arguments)
 WORKLOAD_DEFAULTS = {
-    # the background text draws min(4096, int(expovariate(1/600)) + 50): mean 650, cap ~6x the mean;
+    # the capacity study's lengths are min(4096, int(expovariate(1/600)) + 50): mean 650, cap ~6x the mean;
     # scaled down about 16x so a 2-core CPU finishes. Prompts stay short: prefill is compute-bound
     # on a CPU and costs every system the same, so long prompts would only dilute the difference
     # the batching policy makes
@@ -92,7 +92,7 @@ class BenchRequest:
 
 
 def exp_lengths(rng: np.random.Generator, n: int, mean: float, floor: int, cap: int) -> np.ndarray:
-    """The background text's lengths: min(cap, floor + int(Exponential(mean)))."""
+    """Long-tailed lengths: min(cap, floor + int(Exponential(mean)))."""
     return np.minimum(cap, floor + rng.exponential(mean, n).astype(np.int64))
 
 
@@ -754,8 +754,8 @@ def _describe(cfg) -> str:
 
 def capacity_report(report: dict | None = None, **study_kw) -> dict:
     """Peak admitted requests, paged vs contiguous at the same KV memory: at full scale through the
-    scheduler and the sim executor (the background text's lengths: 200 requests, 32k token slots,
-    max length 4096), the background text's static admission count beside it, and the real
+    scheduler and the sim executor (200 requests of long-tailed lengths, mean 650, 32k token slots,
+    max length 4096), the static admission count (in order, by final length) beside it, and the real
     engine's mixed run when the report has one."""
     import logging
 
@@ -918,7 +918,7 @@ def format_report(report: dict) -> str:
         sim = cap["sim"]
         lines.append("")
         lines.append(f"== capacity at the same KV memory (scheduler + sim executor, no model): "
-                     f"{sim['num_requests']} requests of the background text's lengths "
+                     f"{sim['num_requests']} requests of long-tailed lengths "
                      f"(mean {sim['mean_length']:.0f}), "
                      f"{sim['capacity_tokens']:,} token slots, max_model_len {sim['max_model_len']}, "
                      f"{sim['max_num_seqs']} seats, prompt = {sim['prompt_fraction']:.0%} of each length")
@@ -929,7 +929,7 @@ def format_report(report: dict) -> str:
             ("KV util when full", "kv_utilization_when_full", "%"), ("preemptions", "preemptions", "d"),
             ("steps", "num_steps", "d")]))
         a = cap["admission_by_final_length"]
-        lines.append(f"admitted in order by final length (the background text's count): paged {a['paged']}, "
+        lines.append(f"admitted in order by final length: paged {a['paged']}, "
                      f"contiguous {a['contiguous']}")
         if "engine" in cap:
             e = cap["engine"]
@@ -1075,7 +1075,7 @@ def ablate_block_size(block_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128)
                       seed: int = 0, progress: bool = True, log: Callable[[str], None] = print,
                       workload_knobs: dict | None = None) -> dict:
     """Per block size:
-      kv_waste, admitted      the background text's experiment through KVCacheManager: 200 lengths,
+      kv_waste, admitted      the fragmentation experiment through KVCacheManager: 200 lengths,
                               32k token slots, max length 4096, admitted in order until one does not
                               fit; waste = allocated slots without a real token
       engine                  continuous batching of a small mixed workload on `model`, one engine

@@ -1,4 +1,4 @@
-"""The timeline sandbox of the background text, on the real scheduler with the sim executor.
+"""A timeline sandbox of static vs continuous batching, on the real scheduler with the sim executor.
 
 A few seats, requests with given output lengths (and arrival steps); every step costs one
 unit of virtual time, so a request's finish time is counted in steps. Static and continuous
