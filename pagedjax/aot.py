@@ -220,7 +220,8 @@ def _memory(executable) -> dict[str, int]:
 
 def _kernel_estimates(jaxpr) -> tuple[float, float, float]:
     """(flops, bytes, transcendentals) of the Pallas kernels' cost estimates in a traced program,
-    each loop body counted once, as XLA's cost analysis counts them."""
+    counted as XLA's cost analysis counts the program around them: a loop body once, but a
+    scan unrolled into straight-line code (unroll >= length) once per iteration."""
     flops = nbytes = trans = 0.0
     for eqn in jaxpr.eqns:
         est = eqn.params.get("cost_estimate") if eqn.primitive.name == "pallas_call" else None
@@ -228,9 +229,12 @@ def _kernel_estimates(jaxpr) -> tuple[float, float, float]:
             flops += est.flops
             nbytes += est.bytes_accessed
             trans += est.transcendentals
+        times = 1
+        if eqn.primitive.name == "scan" and eqn.params.get("unroll", 1) >= eqn.params["length"]:
+            times = eqn.params["length"]
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             f, b, t = _kernel_estimates(sub)
-            flops, nbytes, trans = flops + f, nbytes + b, trans + t
+            flops, nbytes, trans = flops + times * f, nbytes + times * b, trans + times * t
     return flops, nbytes, trans
 
 

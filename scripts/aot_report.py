@@ -55,6 +55,11 @@ def parse_args(argv=None):
     p.add_argument("--context", type=int, nargs="+", default=list(CONTEXTS))
     p.add_argument("--quick", action="store_true", help="batch 1 and 32, context 2048 only")
     p.add_argument("--skip-kernels", action="store_true", help="no paged-vs-contiguous kernel table")
+    p.add_argument("--grid", action="store_true",
+                   help="also compile every kernel over the test grid (pagedjax.aot.kernel_cases) per target")
+    p.add_argument("--markdown", default=None, help="also write the tables to this markdown file")
+    p.add_argument("--from-json", default=None,
+                   help="render the tables of an earlier run's aot_report.json instead of compiling")
     p.add_argument("--out", default="results", help="output directory (default results/)")
     args = p.parse_args(argv)
     if args.quick:
@@ -150,51 +155,108 @@ def gb(x):
     return f"{x / 1e9:.2f}"
 
 
-def print_steps(rows):
-    print("\n### The engine step, compiled and estimated (bf16, block size 16, every sequence at the full context)\n")
-    print("| target | model | batch | context | weights GB | KV pool GB | temp GB | GFLOP | GB accessed | "
-          "ideal GB | bound | step ms (lower bound) | ideal step ms | decode tok/s (upper bound) | + sampler ms |")
-    print("|---|---|--:|--:|--:|--:|--:|--:|--:|--:|---|--:|--:|--:|--:|")
+def steps_table(rows) -> str:
+    out = ["### The engine step, compiled and estimated (bf16, block size 16, every sequence at the full context)",
+           "",
+           "| target | model | batch | context | weights GB | KV pool GB | temp GB | GFLOP | GB accessed | "
+           "ideal GB | bound | step ms (lower bound) | ideal step ms | decode tok/s (upper bound) | + sampler ms |",
+           "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|---|--:|--:|--:|--:|"]
     for r in rows:
         head = f"| {r['target']} | {r['model']} | {r['batch']} | {r['context']} | {gb(r['weight_bytes'])} | {gb(r['kv_pool_bytes'])} |"
         if r["status"] != "compiled":
-            print(head + f" {r['status']} ||||||||||")
+            out.append(head + f" {r['status']} ||||||||||")
             continue
-        print(head + f" {gb(r['temp_bytes'])} | {r['flops'] / 1e9:.1f} | {gb(r['bytes_accessed'])} | "
-              f"{gb(r['ideal_bytes'])} | {r['bound']} | {r['step_seconds'] * 1e3:.2f} | "
-              f"{r['ideal_step_seconds'] * 1e3:.2f} | {r['tokens_per_s']:,.0f} | {r['sampler_seconds'] * 1e3:.2f} |")
+        out.append(head + f" {gb(r['temp_bytes'])} | {r['flops'] / 1e9:.1f} | {gb(r['bytes_accessed'])} | "
+                   f"{gb(r['ideal_bytes'])} | {r['bound']} | {r['step_seconds'] * 1e3:.2f} | "
+                   f"{r['ideal_step_seconds'] * 1e3:.2f} | {r['tokens_per_s']:,.0f} | "
+                   f"{r['sampler_seconds'] * 1e3:.2f} |")
+    return "\n".join(out)
 
 
-def print_kernels(rows):
-    print("\n### Decode kernels, paged against contiguous at equal work (32 q / 8 kv heads of 128, bf16, block 16)\n")
-    print("| target | batch | context | K/V GB | block tables KB | tables / K/V | paged read unit | "
-          "paged GB (est.) | contiguous GB (est.) | paged temp MB | contiguous temp MB | paged µs | contiguous µs |")
-    print("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
+def kernels_table(rows) -> str:
+    out = ["### Decode kernels, paged against contiguous at equal work (32 q / 8 kv heads of 128, bf16, block 16)",
+           "",
+           "| target | batch | context | K/V GB | block tables KB | tables / K/V | paged read unit | "
+           "paged GB (est.) | contiguous GB (est.) | paged temp MB | contiguous temp MB | paged µs | contiguous µs |",
+           "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for r in rows:
         if r["status"] != "compiled":
-            print(f"| {r['target']} | {r['batch']} | {r['context']} | {r['status']} |||||||||")
+            out.append(f"| {r['target']} | {r['batch']} | {r['context']} | {r['status']} |||||||||")
             continue
-        print(f"| {r['target']} | {r['batch']} | {r['context']} | {gb(r['kv_bytes'])} | {r['table_bytes'] / 1e3:.1f} | "
-              f"{r['indirection'] * 100:.3f} % | {r['paged_read_bytes'] // 1024} KiB | {gb(r['paged_bytes'])} | "
-              f"{gb(r['contiguous_bytes'])} | {r['paged_temp'] / 1e6:.1f} | {r['contiguous_temp'] / 1e6:.1f} | "
-              f"{r['paged_seconds'] * 1e6:.1f} | {r['contiguous_seconds'] * 1e6:.1f} |")
+        out.append(f"| {r['target']} | {r['batch']} | {r['context']} | {gb(r['kv_bytes'])} | "
+                   f"{r['table_bytes'] / 1e3:.1f} | {r['indirection'] * 100:.3f} % | {r['paged_read_bytes'] // 1024} KiB | "
+                   f"{gb(r['paged_bytes'])} | {gb(r['contiguous_bytes'])} | {r['paged_temp'] / 1e6:.1f} | "
+                   f"{r['contiguous_temp'] / 1e6:.1f} | {r['paged_seconds'] * 1e6:.1f} | {r['contiguous_seconds'] * 1e6:.1f} |")
+    return "\n".join(out)
+
+
+def grid_table(rows) -> str:
+    out = ["### The kernel grid (pagedjax.aot.kernel_cases: every kernel in the target's variant)", "",
+           "| target | compiled | failed | seconds |", "|---|--:|--:|--:|"]
+    out += [f"| {r['target']} | {r['compiled']} / {r['cases']} | {len(r['failures'])} | {r['seconds']:.0f} |" for r in rows]
+    for r in rows:
+        out += [f"- {r['target']}: {f}" for f in r["failures"]]
+    return "\n".join(out)
+
+
+def grid_point(target) -> dict:
+    t0 = time.perf_counter()
+    cases = aot.kernel_cases()
+    failures = []
+    for kernel, case in cases:
+        try:
+            aot.compile_kernel(target, kernel, case)
+        except Exception as e:  # the compiler's own words, first line
+            failures.append(f"{kernel} {case}: {str(e).strip().splitlines()[0][:200]}")
+    return dict(target=target, cases=len(cases), compiled=len(cases) - len(failures), failures=failures,
+                seconds=time.perf_counter() - t0)
+
+
+def chips_text(chips: dict) -> str:
+    return "\n".join(f"- {t}: {c['name']}, {c['bf16_flops'] / 1e12:.0f} TFLOP/s bf16, "
+                     f"{c['hbm_bandwidth'] / 1e9:,.0f} GB/s, {c['hbm_bytes'] / 1e9:.0f} GB ({c['source']})"
+                     for t, c in chips.items())
+
+
+def render(report: dict) -> str:
+    parts = [f"Compiled with jax {report['jax']} on a machine without an accelerator; every figure is the "
+             f"compiler's or a roofline estimate from published peaks, nothing ran on an accelerator.",
+             chips_text(report["chips"])]
+    if report.get("grid"):
+        parts.append(grid_table(report["grid"]))
+    parts.append(steps_table(report["steps"]))
+    if report.get("kernels"):
+        parts.append(kernels_table(report["kernels"]))
+    return "\n\n".join(parts) + "\n"
 
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.from_json:
+        with open(args.from_json) as f:
+            text = render(json.load(f))
+        print(text)
+        if args.markdown:
+            with open(args.markdown, "w") as f:
+                f.write(text)
+        return
     for t in args.targets:
         why = aot.available(t)
         if why is not None:
             sys.exit(f"cannot compile for {t}: {why}")
     print(f"jax {jax.__version__}; deviceless compilation; every number below is compiled and estimated, "
           f"nothing ran on an accelerator")
-    for t in args.targets:
-        c = aot.get_target(t).chip
-        print(f"  {t}: {c.name}, {c.bf16_flops / 1e12:.0f} TFLOP/s bf16, {c.hbm_bandwidth / 1e9:,.0f} GB/s, "
-              f"{c.hbm_bytes / 1e9:.0f} GB ({c.source})")
+    chips = {t: vars(aot.get_target(t).chip) for t in args.targets}
+    print(chips_text(chips))
+    t0 = time.perf_counter()
+    grid = []
+    if args.grid:
+        for target in args.targets:
+            grid.append(grid_point(target))
+            print(f"  [{time.perf_counter() - t0:6.0f} s] {target}: kernel grid {grid[-1]['compiled']}/"
+                  f"{grid[-1]['cases']}", flush=True)
     shapes = aot.model_shapes()
     steps = []
-    t0 = time.perf_counter()
     for model in args.models:
         for target in args.targets:
             for context in args.context:
@@ -209,15 +271,18 @@ def main(argv=None):
             for context in args.context:
                 for batch in args.batch:
                     kernels.append(kernel_point(target, batch, context))
-    print_steps(steps)
-    if kernels:
-        print_kernels(kernels)
+    report = dict(jax=jax.__version__, block_size=BLOCK_SIZE, grid=grid, steps=steps, kernels=kernels,
+                  chips=chips, command=" ".join(["python", "scripts/aot_report.py", *(argv or sys.argv[1:])]))
+    text = render(report)
+    print("\n" + text)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "aot_report.json")
     with open(path, "w") as f:
-        json.dump(dict(jax=jax.__version__, block_size=BLOCK_SIZE, steps=steps, kernels=kernels,
-                       chips={t: vars(aot.get_target(t).chip) for t in args.targets}), f, indent=1)
-    print(f"\nwrote {path} ({time.perf_counter() - t0:.0f} s)")
+        json.dump(report, f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(text)
+    print(f"wrote {path}{' and ' + args.markdown if args.markdown else ''} ({time.perf_counter() - t0:.0f} s)")
 
 
 if __name__ == "__main__":
