@@ -60,6 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--markdown", default=None, help="also write the tables to this markdown file")
     p.add_argument("--from-json", default=None,
                    help="render the tables of an earlier run's aot_report.json instead of compiling")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the points an earlier (interrupted) run wrote to OUT/aot_report.json")
     p.add_argument("--out", default="results", help="output directory (default results/)")
     args = p.parse_args(argv)
     if args.quick:
@@ -249,36 +251,52 @@ def main(argv=None):
     chips = {t: vars(aot.get_target(t).chip) for t in args.targets}
     print(chips_text(chips))
     t0 = time.perf_counter()
-    grid = []
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "aot_report.json")
+    report = dict(jax=jax.__version__, block_size=BLOCK_SIZE, grid=[], steps=[], kernels=[], chips=chips,
+                  command=" ".join(["python", "scripts/aot_report.py", *(argv or sys.argv[1:])]))
+    if args.resume and os.path.exists(path):
+        with open(path) as f:
+            earlier = json.load(f)
+        for k in ("grid", "steps", "kernels"):
+            report[k] = earlier.get(k, [])
+        report["chips"] = {**earlier.get("chips", {}), **chips}
+
+    def done(kind, **key):
+        return any(all(r.get(k) == v for k, v in key.items()) for r in report[kind])
+
+    def save(kind, row):
+        # every point is written as it comes (a run of hours must not lose them), and the compiled
+        # programs are dropped from jax's caches (they hold gigabytes after a few dozen steps)
+        report[kind].append(row)
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+        jax.clear_caches()
+
     if args.grid:
         for target in args.targets:
-            grid.append(grid_point(target))
-            print(f"  [{time.perf_counter() - t0:6.0f} s] {target}: kernel grid {grid[-1]['compiled']}/"
-                  f"{grid[-1]['cases']}", flush=True)
+            if not done("grid", target=target):
+                save("grid", grid_point(target))
+            g = [r for r in report["grid"] if r["target"] == target][0]
+            print(f"  [{time.perf_counter() - t0:6.0f} s] {target}: kernel grid {g['compiled']}/{g['cases']}", flush=True)
     shapes = aot.model_shapes()
-    steps = []
     for model in args.models:
         for target in args.targets:
             for context in args.context:
                 for batch in args.batch:
-                    row = step_point(target, model, shapes[model], batch, context, jnp.bfloat16)
-                    steps.append(row)
+                    if done("steps", target=target, model=model, batch=batch, context=context):
+                        continue
+                    save("steps", step_point(target, model, shapes[model], batch, context, jnp.bfloat16))
                     print(f"  [{time.perf_counter() - t0:6.0f} s] {target} {model} B={batch} ctx={context}: "
-                          f"{row['status']}", flush=True)
-    kernels = []
+                          f"{report['steps'][-1]['status']}", flush=True)
     if not args.skip_kernels:
         for target in args.targets:
             for context in args.context:
                 for batch in args.batch:
-                    kernels.append(kernel_point(target, batch, context))
-    report = dict(jax=jax.__version__, block_size=BLOCK_SIZE, grid=grid, steps=steps, kernels=kernels,
-                  chips=chips, command=" ".join(["python", "scripts/aot_report.py", *(argv or sys.argv[1:])]))
+                    if not done("kernels", target=target, batch=batch, context=context):
+                        save("kernels", kernel_point(target, batch, context))
     text = render(report)
     print("\n" + text)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "aot_report.json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(text)
