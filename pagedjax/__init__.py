@@ -1,9 +1,10 @@
 """pagedjax: PagedAttention and continuous batching in JAX and Pallas."""
 
-from pagedjax.sampling_params import SamplingParams
+from pagedjax.inputs import PromptType, TextPrompt, TokensPrompt
+from pagedjax.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "BeamSearchParams",
-           "EngineConfig"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
+           "TextPrompt", "TokensPrompt", "PromptType", "BeamSearchParams", "EngineConfig"]
 
 # the engine imports JAX; the host-side modules (scheduler, block pool) must stay importable without it
 _LAZY = {"LLM": "pagedjax.llm", "LLMEngine": "pagedjax.engine", "RequestOutput": "pagedjax.outputs",

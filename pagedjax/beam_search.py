@@ -74,8 +74,8 @@ def _search(eng, prompt, params: BeamSearchParams) -> BeamSearchOutput:
             while any(sched.requests[rid].num_output_tokens < n for rid in beams):
                 eng.step()
             live = {rid: sched.requests[rid] for rid in beams}
-            cands = sorted(((beams[rid] + lp, rid, tok)
-                            for rid, req in live.items() for tok, lp in zip(*req.output_logprobs[-1][1:])),
+            cands = sorted(((beams[rid] + lp, rid, tok) for rid, req in live.items()
+                            for tok, lp in zip(req.output_logprobs[-1][1], req.output_logprobs[-1][2])),
                            key=lambda c: -c[0])
             chosen = []
             for score, rid, tok in cands:

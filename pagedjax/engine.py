@@ -14,7 +14,6 @@ import logging
 import random
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -25,7 +24,8 @@ from pagedjax.attention import resolve_backend
 from pagedjax.config import EngineConfig
 from pagedjax.metrics import StepTiming
 from pagedjax.model.hub import LoadedModel, load_any_model
-from pagedjax.outputs import CompletionOutput, RequestOutput, format_logprobs
+from pagedjax.output_processor import OutputProcessor
+from pagedjax.outputs import RequestOutput
 from pagedjax.pallas.common import check_supported, device_limits
 from pagedjax.parallel import check_tensor_parallel, param_bytes_per_device
 from pagedjax.runner import ModelRunner
@@ -35,17 +35,6 @@ from pagedjax.scheduler.scheduler import Scheduler
 from pagedjax.scheduler.sequence import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Group:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    members: dict[int, Request] = field(default_factory=dict)
-    texts: dict[int, str] = field(default_factory=dict)
-    stop_reasons: dict[int, Any] = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -90,7 +79,7 @@ class LLMEngine:
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self._rng = random.Random(config.seed)
-        self._groups: dict[str, _Group] = {}
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = 0
         self.warmup_seconds = None
         self.compilations_at_warmup = None
@@ -118,80 +107,102 @@ class LLMEngine:
     # -- requests ----------------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | dict | Sequence[int] | None,
                     params: SamplingParams | None = None, arrival_time: float | None = None) -> str:
-        """Accept a request (refused at once with ValueError if it could never run)."""
+        """Accept a request (refused at once with ValueError if it could never run). The engine
+        keeps a copy of `params`: changing them afterwards changes later requests only."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        groups = self.output_processor.groups
         if request_id is None:  # the next number no live request already uses as its id
-            while str(self._counter) in self._groups or str(self._counter) in self.scheduler.requests:
+            while str(self._counter) in groups or str(self._counter) in self.scheduler.requests:
                 self._counter += 1
             request_id = str(self._counter)
             self._counter += 1
         request_id = str(request_id)
-        if request_id in self._groups:
+        if request_id in groups:
             raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
+        params = params.clone()
         text, ids = self._tokenize(prompt)
         vocab = self.model_config.vocab_size
         bad = [t for t in ids if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt_token_ids must be ints in [0, vocab_size={vocab}); got {bad[:5]}")
+        for name, toks in (("allowed_token_ids", params.allowed_token_ids), ("logit_bias", params.logit_bias)):
+            out_of_vocab = sorted(t for t in toks or () if not 0 <= t < vocab)
+            if out_of_vocab:
+                raise ValueError(f"{name} has token ids out of vocabulary (size {vocab}): {out_of_vocab[:5]}")
+        keep = params.truncate_prompt_tokens
+        if keep is not None:  # the last k tokens (-1: as many as leave room for one token)
+            ids = ids[-(self.config.max_model_len - 1 if keep == -1 else keep):]
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer and the model has none: use stop_token_ids")
-        if params.logprobs is not None and params.logprobs > self.max_logprobs:
-            raise ValueError(f"logprobs ({params.logprobs}) exceeds max_logprobs ({self.max_logprobs})")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and (k == -1 or k > self.max_logprobs):
+                raise ValueError(f"{name} ({'-1: every token' if k == -1 else k}) exceeds max_logprobs "
+                                 f"({self.max_logprobs})")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         eos = None if not self.eos_token_ids else min(self.eos_token_ids)
-        stop_ids = list(params.stop_token_ids or [])
-        if len(self.eos_token_ids) > 1 and not params.ignore_eos:
-            stop_ids += sorted(self.eos_token_ids - {eos})
-        if stop_ids != list(params.stop_token_ids or []):
-            params = _with(params, stop_token_ids=stop_ids)
+        if len(self.eos_token_ids) > 1 and not params.ignore_eos:  # the model's other end tokens stop it too
+            params.stop_token_ids = list(params.stop_token_ids or []) + sorted(self.eos_token_ids - {eos})
         req = Request(request_id, [int(t) for t in ids], params,
                       arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
                       eos_token_id=eos, seed=seed)
         self.scheduler.add_request(req)  # validates lengths against max_model_len and the pool
-        self._groups[request_id] = _Group(request_id, text, req.prompt_token_ids, params, {0: req})
+        self.output_processor.add(request_id, text, req.prompt_token_ids, params, req)
         return request_id
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompt is a string but the model has no tokenizer: pass "
-                                 "{'prompt_token_ids': [...]} instead")
-            ids = self.tokenizer.encode(prompt)
-            if not ids:
-                raise ValueError("prompt is empty: it must contain at least 1 token")
-            return prompt, list(ids)
+        """(text or None, token ids) of a prompt: a string, token ids, a TextPrompt
+        ({"prompt": str}) or a TokensPrompt ({"prompt_token_ids": [...]}) (pagedjax.inputs)."""
         if isinstance(prompt, dict):
+            unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "add_special_tokens", "cache_salt"})
+            if unknown:
+                raise ValueError(f"prompt dict has unsupported keys {unknown}: a TextPrompt has 'prompt', a "
+                                 "TokensPrompt 'prompt_token_ids' (multi-modal inputs are not supported)")
             if "prompt_token_ids" in prompt:
                 ids = list(prompt["prompt_token_ids"])
+                text = prompt.get("prompt")
             elif "prompt" in prompt:
-                return self._tokenize(prompt["prompt"])
+                return self._encode(prompt["prompt"], prompt.get("add_special_tokens", True))
             else:
-                raise ValueError("a dict prompt needs 'prompt_token_ids' or 'prompt'")
+                raise ValueError("a dict prompt needs 'prompt_token_ids' (TokensPrompt) or 'prompt' (TextPrompt)")
+        elif isinstance(prompt, str):
+            return self._encode(prompt, True)
         elif isinstance(prompt, (list, tuple, np.ndarray)):
-            ids = list(prompt)
+            ids, text = list(prompt), None
         else:
             raise ValueError(f"prompt must be a string, a token id list or a dict, got {type(prompt).__name__}")
         if not ids:
             raise ValueError("prompt_token_ids is empty: it must contain at least 1 token")
-        return None, ids
+        return text, ids
+
+    def _encode(self, text, add_special_tokens: bool) -> tuple[str, list[int]]:
+        if not isinstance(text, str):
+            raise ValueError(f"prompt must be a string, got {type(text).__name__}")
+        if self.tokenizer is None:
+            raise ValueError("prompt is a string but the model has no tokenizer: pass "
+                             "{'prompt_token_ids': [...]} instead")
+        ids = list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        if not ids:
+            raise ValueError("prompt is empty: it must contain at least 1 token")
+        return text, ids
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Abort requests (one id or several) and every sample of them, from any state; their
         blocks return at once. Ids of requests that finished already, or never were, are ignored,
         as vLLM does."""
         for rid in [request_id] if isinstance(request_id, str) else list(request_id):
-            group = self._groups.pop(str(rid), None)
+            group = self.output_processor.pop(str(rid))
             for req in group.members.values() if group is not None else ():
                 if not req.is_finished:
                     self.scheduler.abort_request(req.request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups)
+        return bool(self.output_processor.groups)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self._groups)
+        return len(self.output_processor.groups)
 
     # -- one step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -210,76 +221,22 @@ class LLMEngine:
         step = self.packer.pack(out, sched.kv)
         t2 = time.perf_counter()
         try:
-            tokens, logprob, top_ids, top_lps, errors = self.runner.execute(out, step)
+            tokens, logprob, rank, top_ids, top_lps, errors = self.runner.execute(out, step)
         except BaseException:
             self.scheduler.rollback_step(out)
             raise
         t3 = time.perf_counter()
         lps = None
         if any(r.sampling_params.logprobs is not None for r in out.scheduled):
-            lps = [(float(logprob[i]), top_ids[i].tolist(), top_lps[i].tolist()) for i in range(out.num_rows)]
+            lps = [(float(logprob[i]), top_ids[i].tolist(), top_lps[i].tolist(), int(rank[i]))
+                   for i in range(out.num_rows)]
         changed = sched.update_from_output(out, tokens, logprobs=lps, errors=errors)
         t4 = time.perf_counter()
-        outputs = self._outputs(changed)
+        outputs = self.output_processor.process(
+            changed, lambda rid: sched.finish_request(rid, RequestStatus.FINISHED_STOPPED))
         self.step_timings.append(StepTiming(out.step, step.bucket, t1 - t0, t2 - t1, t3 - t2, t4 - t3,
                                             time.perf_counter() - t4))
         return outputs
-
-    def _outputs(self, changed: list[Request]) -> list[RequestOutput]:
-        touched: dict[str, _Group] = {}
-        for req in changed:
-            group = self._groups.get(req.group_id)
-            if group is None:
-                continue
-            group.members.setdefault(req.sample_index, req)
-            self._check_stop_strings(group, req)
-            touched[group.request_id] = group
-        outs = []
-        for gid, group in touched.items():
-            out = self._make_output(group)
-            outs.append(out)
-            if out.finished:
-                del self._groups[gid]
-        return outs
-
-    def _check_stop_strings(self, group: _Group, req: Request) -> None:
-        stops = group.params.stop_strings
-        if not stops or req.is_finished:
-            return
-        text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
-        for s in stops:
-            i = text.find(s)
-            if i >= 0:
-                group.texts[req.sample_index] = text[:i]
-                group.stop_reasons[req.sample_index] = s
-                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
-                return
-
-    def _make_output(self, group: _Group) -> RequestOutput:
-        n = group.params.n
-        members = [group.members.get(i) for i in range(n)]
-        finished = all(m is not None and m.is_finished for m in members)
-        parent = members[0]
-        if parent.is_finished and parent.children == [] and parent.sampling_params.n > 1 and not parent.forked:
-            finished = True  # ended before its prompt completed (abort, error): no samples were forked
-        outputs = []
-        for i, m in enumerate(members):
-            if m is None:
-                continue
-            text = group.texts.get(i)
-            if text is None and self.tokenizer is not None and (m.is_finished or group.params.stop_strings):
-                text = self.tokenizer.decode(m.output_token_ids, skip_special_tokens=True)
-            lp = m.output_logprobs if group.params.logprobs is not None else None
-            cum = float(sum(x[0] for x in lp)) if lp else None
-            stop_reason = group.stop_reasons.get(i)
-            if stop_reason is None and m.status == RequestStatus.FINISHED_STOPPED and m.output_token_ids:
-                stop_reason = m.output_token_ids[-1] if m.output_token_ids[-1] != m.eos_token_id else None
-            outputs.append(CompletionOutput(i, text or "", list(m.output_token_ids), m.finish_reason, cum,
-                                            format_logprobs(m.output_token_ids, lp, group.params.logprobs),
-                                            stop_reason))
-        recs = [m.record for m in members if m is not None and m.record is not None] if finished else []
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, finished, recs,
-                             max(parent.num_cached_tokens, 0))
 
     # -- warm-up and stats -----------------------------------------------------------------------
     def buckets(self) -> list[tuple[int, int, int]]:
@@ -309,10 +266,3 @@ def _float_dtype(dtype) -> jnp.dtype:
     if dt is None or dt.name not in allowed:
         raise ValueError(f"dtype must be one of {', '.join(allowed)}, got {dtype!r}")
     return dt
-
-
-def _with(params: SamplingParams, **changes) -> SamplingParams:
-    kw = {f: getattr(params, f) for f in ("n", "temperature", "top_k", "top_p", "min_p", "seed", "stop",
-                                          "stop_token_ids", "max_tokens", "ignore_eos", "logprobs")}
-    kw.update(changes)
-    return SamplingParams(**kw)

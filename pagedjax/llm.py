@@ -17,7 +17,7 @@ from pagedjax.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from pagedjax.engine import LLMEngine
 from pagedjax.model.hub import LoadedModel
 from pagedjax.outputs import RequestOutput
-from pagedjax.sampling_params import SamplingParams
+from pagedjax.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -30,12 +30,17 @@ class LLM:
     def tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_tokenizer(self):
+        """The model's tokenizer (a transformers tokenizer; the tiny model's byte tokenizer)."""
+        return self.llm_engine.tokenizer
+
     def warmup(self) -> float:
         return self.llm_engine.warmup()
 
-    def _add(self, prompts, sampling_params) -> list[str]:
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
+    def _add(self, prompts, sampling_params, output_kind: RequestOutputKind) -> list[str]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]   # one prompt: a string, a TextPrompt/TokensPrompt dict, or token ids
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -43,6 +48,8 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts: pass one "
                              f"SamplingParams, or a list of exactly {len(prompts)}")
+        # what this loop needs from the engine (as vLLM's LLM does): the final output, or deltas
+        params = [sp.replace(output_kind=output_kind) if isinstance(sp, SamplingParams) else sp for sp in params]
         eng = self.llm_engine
         ids = []
         try:
@@ -57,7 +64,7 @@ class LLM:
     def generate(self, prompts, sampling_params=None, *, use_tqdm: bool = True) -> list[RequestOutput]:
         """Run prompts (strings, token-id lists or {"prompt_token_ids": [...]}) to completion;
         outputs in the order of the prompts."""
-        ids = self._add(prompts, sampling_params)
+        ids = self._add(prompts, sampling_params, RequestOutputKind.FINAL_ONLY)
         done: dict[str, RequestOutput] = {}
         for out in self._run(ids, use_tqdm):
             if out.finished:
@@ -98,27 +105,51 @@ class LLM:
             if bar is not None:
                 bar.close()
 
-    def stream(self, prompts, sampling_params=None) -> Iterator[tuple[str, int, list[int]]]:
-        """Yield (request_id, sample index, new token ids) as the tokens are produced."""
-        ids = self._add(prompts, sampling_params)
-        seen: dict[tuple[str, int], int] = {}
-        for out in self._run(ids, use_tqdm=False):
-            for o in out.outputs:
-                k = (out.request_id, o.index)
-                new = o.token_ids[seen.get(k, 0):]
-                if new:
-                    seen[k] = len(o.token_ids)
-                    yield out.request_id, o.index, new
+    def stream(self, prompts, sampling_params=None) -> Iterator[RequestOutput]:
+        """Yield RequestOutput deltas as the tokens are produced: each carries only the new token
+        ids, text and logprobs of its samples since the request's previous output
+        (RequestOutputKind.DELTA); the last one of a request has finished=True."""
+        ids = self._add(prompts, sampling_params, RequestOutputKind.DELTA)
+        yield from self._run(ids, use_tqdm=False)
 
-    def chat(self, messages, sampling_params=None, *, use_tqdm: bool = True,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """messages: one conversation (a list of {"role", "content"}) or a list of them."""
+    def chat(self, messages, sampling_params=None, *, use_tqdm: bool = True, chat_template: str | None = None,
+             chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} messages) or a list
+        of them, through the model's chat template (or `chat_template`). A message's content may
+        be a string or OpenAI content parts ([{"type": "text", "text": ...}, ...]), whose texts are
+        joined by newlines. continue_final_message continues the last (assistant) message instead
+        of starting a new one."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be True: set "
+                             "add_generation_prompt=False to continue the final message")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt, tokenize=False)
-                   for c in convs]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        prompts = []
+        for conv in convs:
+            conv = [dict(m, content=_content_text(m.get("content"))) for m in conv]
+            prompts.append(self.tokenizer.apply_chat_template(
+                conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, tokenize=False, **(chat_template_kwargs or {})))
+        # the template writes the special tokens itself (as vLLM does, no second BOS)
+        return self.generate([{"prompt": p, "add_special_tokens": False} for p in prompts], sampling_params,
+                             use_tqdm=use_tqdm)
 
     def beam_search(self, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
         """Beam search as vLLM offers it (see pagedjax.beam_search): beams are requests that fork
         their parent's blocks copy-on-write, so every prefix the beams agree on is stored once."""
         return beam_search(self.llm_engine, prompts, params)
+
+
+def _content_text(content) -> str:
+    """A message's content as text: a string as it is, OpenAI content parts' texts joined by newlines."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(f"only text content parts are supported, got a part of type {kind!r}")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise ValueError(f"message content must be a string or a list of content parts, got {type(content).__name__}")

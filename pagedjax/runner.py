@@ -84,8 +84,9 @@ def _step_fn(params, kv_cache, step: StepInput, *, cfg, attention, num_logprobs,
     finite = jnp.all(jnp.isfinite(logits), axis=-1)
     safe = jnp.where(finite[:, None], logits, 0.0)
     tokens, logprob, lse, top_ids, top_lps = greedy(safe, num_logprobs)
-    # the (masked) logits stay on the device for `resample_step`, which runs only when a row samples
-    return (tokens, logprob, top_ids, top_lps, finite), (safe, lse), kv_cache
+    # the (masked) logits stay on the device for `resample_step`, which runs only when a row samples;
+    # a greedy token's rank is 1 (the first of the highest logits)
+    return (tokens, logprob, jnp.ones_like(tokens), top_ids, top_lps, finite), (safe, lse), kv_cache
 
 
 @jax.jit
@@ -181,7 +182,7 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput, step: StepInput):
         """Apply the step's swaps and copies, run it, apply the copies owed after it, and return host arrays:
-        (sampled int32[R], logprob f32[R], top ids [R, K], top logprobs [R, K], errors bool[R])."""
+        (sampled int32[R], logprob f32[R], rank int32[R], top ids [R, K], top logprobs [R, K], errors bool[R])."""
         if out.swap_out:
             self.swap_out(out.swap_out)
         if out.swap_in:
@@ -198,18 +199,18 @@ class ModelRunner:
         if out.block_copies_after:
             # contiguous forks copy blocks the step itself has just filled
             self.copy_blocks(out.block_copies_after)
-        tokens, logprob, top_ids, top_lps, finite = jax.device_get(results)
+        tokens, logprob, rank, top_ids, top_lps, finite = jax.device_get(results)
         if self.num_compilations != n_before:
             self.compile_seconds += time.perf_counter() - t0
             logger.info("compiled the step for bucket %s (%d compilations so far)", step.bucket, self.num_compilations)
         R = out.num_rows
-        return tokens[:R], logprob[:R], top_ids[:R], top_lps[:R], ~finite[:R]
+        return tokens[:R], logprob[:R], rank[:R], top_ids[:R], top_lps[:R], ~finite[:R]
 
     @staticmethod
     def _resample(results, logits, inputs):
-        tokens, logprob, top_ids, top_lps, finite = results
-        tokens, logprob = resample_step(*logits, tokens, inputs.sampling)
-        return tokens, logprob, top_ids, top_lps, finite
+        tokens, logprob, rank, top_ids, top_lps, finite = results
+        tokens, logprob, rank = resample_step(*logits, tokens, inputs.sampling)
+        return tokens, logprob, rank, top_ids, top_lps, finite
 
     # -- block moves -----------------------------------------------------------------------------
     @staticmethod

@@ -78,10 +78,13 @@ def greedy(logits: jax.Array, num_logprobs: int = 0):
 def resample(logits: jax.Array, lse: jax.Array, greedy_tokens: jax.Array, temperature: jax.Array,
              top_k: jax.Array, top_p: jax.Array, min_p: jax.Array, seeds: jax.Array, positions: jax.Array):
     """Rows with temperature > 0 sampled (top-k, top-p, min-p, seeded), the others keep their
-    greedy token; returns (token int32[S], its logprob f32[S]) from `greedy`'s logsumexp."""
+    greedy token; returns (token int32[S], its logprob f32[S] from `greedy`'s logsumexp, its rank
+    int32[S]: 1 + the tokens with a higher logit)."""
     drawn = _sample_random(logits, temperature, top_k, top_p, min_p, seeds, positions)
     tokens = jnp.where(temperature == 0, greedy_tokens, drawn).astype(jnp.int32)
-    return tokens, jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse
+    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)
+    rank = 1 + jnp.sum(logits > chosen, axis=-1).astype(jnp.int32)
+    return tokens, chosen[:, 0] - lse, rank
 
 
 def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,
@@ -96,7 +99,7 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
     The runner instead runs `greedy` in the step and `resample` as a second jitted call, only
     when the host sees a row with temperature > 0."""
     tokens, logprob, lse, top_ids, top_lps = greedy(logits, num_logprobs)
-    tokens, logprob = jax.lax.cond(
-        jnp.all(temperature == 0), lambda: (tokens, logprob),
+    tokens, logprob, _ = jax.lax.cond(
+        jnp.all(temperature == 0), lambda: (tokens, logprob, jnp.ones_like(tokens)),
         lambda: resample(logits, lse, tokens, temperature, top_k, top_p, min_p, seeds, positions))
     return tokens, logprob, top_ids, top_lps

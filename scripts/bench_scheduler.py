@@ -26,7 +26,7 @@ from pagedjax.sampling_params import SamplingParams
 from pagedjax.scheduler.batch import BatchPacker
 from pagedjax.scheduler.scheduler import Scheduler
 from pagedjax.scheduler.sequence import Request
-from pagedjax.scheduler.sim import SimExecutor, VirtualClock, next_token_rule, simulate
+from pagedjax.scheduler.sim import SimExecutor, VirtualClock, simulate
 
 
 def host_time_per_step(num_seqs: int = 256, steps: int = 300, context: int = 200) -> dict:

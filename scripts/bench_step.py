@@ -153,7 +153,6 @@ def main() -> int:
                     max_model_len=max_model_len, attention_backend=args.attention_backend, enable_prefix_caching=False,
                     token_buckets=tuple(sorted(set(args.batch) | {budget})), seq_buckets=tuple(sorted(set(args.batch))),
                     page_buckets=tuple(sorted({8, 16, 32, max_model_len // 16})))
-    t0 = time.perf_counter()
     buckets = eng.buckets()
     warm = eng.warmup()
     print(f"{args.model}: {jax.devices()[0].platform}, backend {eng.backend}, {len(buckets)} buckets "

@@ -142,10 +142,10 @@ def gen(prompts, params=GREEDY):
     return lambda env: env.llm.generate(prompts, params, use_tqdm=False)
 
 
+case("prompt of max_model_len tokens", gen([ids([5] * 128)], SamplingParams(temperature=0, max_tokens=1)),
+     r"decoder prompt \(length 128\)", r"maximum model length of 128 less the one token it must generate")
 case("prompt longer than max_model_len", gen([ids([5] * 129)], SamplingParams(temperature=0, max_tokens=1)),
-     r"prompt \(129 tokens\)", r"exceeds max_model_len \(128\)")
-case("prompt + max_tokens over max_model_len", gen([ids([5] * 100)], SamplingParams(temperature=0, max_tokens=29)),
-     r"max_tokens \(29\)", r"= 129 exceeds max_model_len \(128\)")
+     r"decoder prompt \(length 129\)", r"maximum model length of 128\b")
 case("empty prompt_token_ids", gen([ids([])]), r"prompt_token_ids is empty", r"at least 1 token")
 case("empty string prompt", gen([""]), r"prompt is empty", r"at least 1 token")
 case("token id = vocab_size", gen([ids([5, VOCAB])]), r"prompt_token_ids",
@@ -158,36 +158,70 @@ case("more sampling params than prompts", gen([ids(GOOD), ids(GOOD)], [GREEDY] *
      r"sampling_params has 3 entries", r"for 2 prompts: pass one SamplingParams, or a list of exactly 2")
 case("logprobs over max_logprobs", gen([ids(GOOD)], SamplingParams(logprobs=21)), r"logprobs \(21\)",
      r"exceeds max_logprobs \(20\)")
-case("prompt of another type", gen([42]), r"^prompt must be", r"a string, a token id list or a dict, got int")
+case("prompt of another type", gen([ids(GOOD), 42]), r"^prompt must be", r"a string, a token id list or a dict, got int")
 case("sampling params of another type", gen([ids(GOOD)], {"temperature": 0}), r"params must be a SamplingParams",
      r"got dict")
 
 
 # -- SamplingParams (as a caller of generate meets them) -----------------------------------------------
+# vLLM's own messages, word for word: a vLLM user's handler that matches them keeps working
 SP_BAD = [
-    ("n", 0, r"an int >= 1, got 0"),
-    ("n", 1.5, r"an int >= 1, got 1\.5"),
-    ("temperature", -0.5, r">= 0 \(0 is greedy\), got -0\.5"),
-    ("temperature", float("nan"), r">= 0 \(0 is greedy\), got nan"),
-    ("top_p", 0.0, r"in \(0, 1\], got 0\.0"),
-    ("top_p", 1.5, r"in \(0, 1\], got 1\.5"),
-    ("top_k", 0, r"-1 \(disabled\) or an int >= 1, got 0"),
-    ("top_k", -2, r"-1 \(disabled\) or an int >= 1, got -2"),
-    ("min_p", -0.1, r"in \[0, 1\], got -0\.1"),
-    ("min_p", 1.5, r"in \[0, 1\], got 1\.5"),
-    ("max_tokens", 0, r"an int >= 1, got 0"),
-    ("max_tokens", None, r"an int >= 1, got None"),
-    ("seed", -1, r"None or an int in \[0, 2\*\*63\), got -1"),
-    ("seed", 2**63, r"None or an int in \[0, 2\*\*63\), got 9223372036854775808"),
-    ("logprobs", -1, r"None or an int >= 0, got -1"),
-    ("stop", "", r"a non-empty string or a list of them, got ''"),
-    ("stop", ["ok", None], r"a non-empty string or a list of them, got \['ok', None\]"),
-    ("stop_token_ids", [7, -3], r"a list of non-negative ints, got \[7, -3\]"),
+    ("n", 0, r"n must be at least 1, got 0\."),
+    ("n", 1.5, r"n must be an int, but is of type <class 'float'>"),
+    ("n", 2, r"n must be 1 when using greedy sampling, got 2\.", dict(temperature=0)),
+    ("temperature", -0.5, r"temperature must be non-negative, got -0\.5\."),
+    ("temperature", float("nan"), r"temperature must be a finite number, got nan\."),
+    ("temperature", 2.5, r"temperature must be in \[0, 2\], got 2\.5\."),
+    ("top_p", 0.0, r"top_p must be in \(0, 1\], got 0\.0\."),
+    ("top_p", 1.5, r"top_p must be in \(0, 1\], got 1\.5\."),
+    ("top_k", -2, r"top_k must be 0 \(disable\), or at least 1, got -2\."),
+    ("top_k", 1.5, r"top_k must be an integer, got float"),
+    ("min_p", -0.1, r"min_p must be in \[0, 1\], got -0\.1\."),
+    ("min_p", 1.5, r"min_p must be in \[0, 1\], got 1\.5\."),
+    ("presence_penalty", 2.5, r"presence_penalty must be in \[-2, 2\], got 2\.5\."),
+    ("frequency_penalty", -3.0, r"frequency_penalty must be in \[-2, 2\], got -3\.0\."),
+    ("repetition_penalty", 0.0, r"repetition_penalty must be greater than zero, got 0\.0\."),
+    ("max_tokens", 0, r"max_tokens must be at least 1, got 0\."),
+    ("min_tokens", -1, r"min_tokens must be greater than or equal to 0, got -1\."),
+    ("min_tokens", 20, r"min_tokens must be less than or equal to max_tokens=12, got 20\.", dict(max_tokens=12)),
+    ("seed", 2**63, r"seed must be None, -1 or an int in \[0, 2\*\*63\), got 9223372036854775808\."),
+    ("logprobs", -2, r"logprobs must be non-negative or -1, got -2\."),
+    ("prompt_logprobs", -2, r"prompt_logprobs must be non-negative or -1, got -2\."),
+    ("stop", "", r"stop cannot contain an empty string\."),
+    ("stop", ["ok", None], r"stop must be a string or a list of strings, got \['ok', None\]\."),
+    ("stop", ["ok"], r"stop strings are only supported when detokenize is True", dict(detokenize=False)),
+    ("stop_token_ids", [7, -3], r"stop_token_ids must be non-negative token ids, got \[7, -3\]\."),
+    ("bad_words", ["ok", ""], r"bad_words cannot contain an empty string"),
+    ("allowed_token_ids", [], r"allowed_token_ids is not None and empty!"),
+    ("logit_bias", {"x": 1.0}, r"logit_bias contains key\(s\) that cannot be converted to integer token IDs"),
+    ("truncate_prompt_tokens", 0, r"truncate_prompt_tokens must be >= 1 or -1, got 0"),
 ]
-for field, value, limit in SP_BAD:
+for field, value, message, *other in SP_BAD:
     case(f"SamplingParams.{field}={value!r}",
-         lambda env, f=field, v=value: env.llm.generate([ids(GOOD)], SamplingParams(**{f: v}), use_tqdm=False),
-         rf"^SamplingParams\.{field} must be", limit)
+         lambda env, f=field, v=value, o=(other or [{}])[0]: env.llm.generate(
+             [ids(GOOD)], SamplingParams(**{**o, f: v}), use_tqdm=False),
+         rf"^{field}\b", message)
+
+
+def assigned_after_construction(env):
+    sp = SamplingParams(temperature=0, max_tokens=12)
+    try:
+        sp.top_p = 0.0
+    finally:
+        assert sp.top_p == 1.0  # refused: the object keeps its checked value
+    return env.llm.generate([ids(GOOD)], sp, use_tqdm=False)
+
+
+case("SamplingParams.top_p assigned after construction", assigned_after_construction, r"^top_p\b",
+     r"must be in \(0, 1\], got 0\.0\.")
+case("logprobs -1 over max_logprobs", gen([ids(GOOD)], SamplingParams(logprobs=-1)), r"^logprobs \(-1: every token\)",
+     r"exceeds max_logprobs \(20\)")
+case("prompt_logprobs over max_logprobs", gen([ids(GOOD)], SamplingParams(prompt_logprobs=21)),
+     r"^prompt_logprobs \(21\)", r"exceeds max_logprobs \(20\)")
+case("allowed_token_ids outside the vocabulary", gen([ids(GOOD)], SamplingParams(allowed_token_ids=[3, VOCAB])),
+     r"allowed_token_ids", rf"out of vocabulary \(size {VOCAB}\)")
+case("logit_bias outside the vocabulary", gen([ids(GOOD)], SamplingParams(logit_bias={VOCAB + 1: 2.0})),
+     r"logit_bias", rf"out of vocabulary \(size {VOCAB}\)")
 
 
 # -- add_request / abort_request -------------------------------------------------------------------
@@ -211,10 +245,12 @@ case("add_request: '~' in the id", add("a~1"), r"request_id 'a~1'",
      r"must not contain '~': 'id~k' is reserved for beam k of a beam search")
 case("add_request: n > max_num_seqs", add("wide", params=SamplingParams(n=9)), r"\bn \(9\)",
      r"exceeds max_num_seqs \(8\)")
-case("add_request: dict without a prompt", add("d", prompt={"text": "hi"}), r"a dict prompt",
-     r"needs 'prompt_token_ids' or 'prompt'")
-case("add_request: prompt too long", add("long", prompt=ids([5] * 200)), r"prompt \(200 tokens\)",
-     r"exceeds max_model_len \(128\)")
+case("add_request: dict without a prompt", add("d", prompt={"prompt_ids": [5]}), r"prompt dict",
+     r"unsupported keys \['prompt_ids'\]: a TextPrompt has 'prompt', a TokensPrompt 'prompt_token_ids'")
+case("add_request: dict with neither", add("d", prompt={"cache_salt": "s"}), r"a dict prompt",
+     r"needs 'prompt_token_ids' \(TokensPrompt\) or 'prompt' \(TextPrompt\)")
+case("add_request: prompt too long", add("long", prompt=ids([5] * 200)), r"decoder prompt \(length 200\)",
+     r"maximum model length of 128\b")
 
 
 # -- the kernels' Python boundary ----------------------------------------------------------------------

@@ -271,7 +271,6 @@ def test_swap_out_and_in_keeps_sharing_and_refuses_when_short():
     mgr = mk(num_blocks=8, num_host_blocks=8)
     p = FakeRequest("p", list(range(6)))
     prefill(mgr, p)
-    c = FakeRequest("c", list(p.all_token_ids), 6)
     mgr.fork("p", "c")
     out = mgr.swap_out(["p", "c"])
     assert len(out) == 2  # shared blocks copied once

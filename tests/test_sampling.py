@@ -41,9 +41,10 @@ def test_resample_keeps_greedy_rows_and_draws_within_top_k():
     args = (temperature, top_k, jnp.ones(S), jnp.zeros(S), jnp.arange(2 * S, dtype=jnp.uint32).reshape(S, 2),
             jnp.arange(S, dtype=jnp.int32))
     g, _, lse, _, _ = greedy(logits)
-    tokens, logprob = resample(logits, lse, g, *args)
+    tokens, logprob, rank = resample(logits, lse, g, *args)
     tokens, logprob = np.asarray(tokens), np.asarray(logprob)
     ranks = np.argsort(np.argsort(-np.asarray(logits), axis=-1), axis=-1)[np.arange(S), tokens]
+    np.testing.assert_array_equal(rank, ranks + 1)  # vLLM's rank: 1 + the tokens more likely
     for i in range(S):
         if temperature[i] == 0:
             assert tokens[i] == int(g[i])

@@ -245,7 +245,11 @@ def test_bad_requests_refused_at_once_others_keep_running():
     s = make_sched(num_blocks=10, max_model_len=64)  # 9 usable blocks = 36 tokens
     s.add_request(req("good", prompt_len=5, max_tokens=10))
     step(s)
-    with pytest.raises(ValueError, match=r"max_model_len \(64\)"):
+    with pytest.raises(ValueError, match=r"prompt \(length 64\) is longer than the maximum model length of 64"):
+        s.add_request(req("long", prompt_len=64, max_tokens=10))
+    # a prompt that fits but leaves less room than max_tokens runs to max_model_len (as in vLLM),
+    # if the pool could hold that; here it could not
+    with pytest.raises(ValueError, match=r"needs 16 KV blocks but the pool has only 9"):
         s.add_request(req("long", prompt_len=60, max_tokens=10))
     with pytest.raises(ValueError, match=r"needs 10 KV blocks but the pool has only 9"):
         s.add_request(req("huge", prompt_len=30, max_tokens=10))

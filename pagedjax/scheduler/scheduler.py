@@ -1,8 +1,7 @@
 """Continuous batching on the host: who runs this step, with how many tokens, in which blocks.
 
-`schedule()` returns a `SchedulerOutput` that says exactly what the runner must do this step;
-`update_from_output()` takes the sampled tokens back, appends them, finishes requests and
-frees their blocks. No JAX here.
+`schedule()` returns a `SchedulerOutput` that says exactly what the runner must do this step; `update_from_output()`
+takes the sampled tokens back, appends them, finishes requests and frees their blocks. No JAX here.
 
 Policy (`scheduling="continuous"`, vLLM's): running requests first, oldest first, each given
 the rest of its prompt (chunked to the token budget) or one decode token; then swapped
@@ -16,9 +15,8 @@ to the host pool and resumed first (`"swap"`). Victims are always requests not y
 this step (the running list is in FCFS order and victims come off its end), so nothing a
 step was promised is taken back.
 
-`scheduling="static"` is the baseline: a batch of up to `max_num_seqs` waiting requests is
-formed only when the previous batch has completely finished; finished members' seats stay
-empty until then. Same packing, same metrics.
+`scheduling="static"` is the baseline: a batch of up to `max_num_seqs` waiting requests is formed only when
+the previous batch has completely finished; finished members' seats stay empty until then.
 """
 
 from __future__ import annotations
@@ -81,10 +79,13 @@ class Scheduler:
                                  f"reserved for {what}")
         if req.num_prompt_tokens < 1:
             raise ValueError("prompt must contain at least 1 token")
-        if req.max_num_tokens > cfg.max_model_len:
-            raise ValueError(f"prompt ({req.num_prompt_tokens} tokens) + max_tokens "
-                             f"({req.sampling_params.max_tokens}) = {req.max_num_tokens} exceeds "
-                             f"max_model_len ({cfg.max_model_len})")
+        if req.num_prompt_tokens >= cfg.max_model_len:
+            raise ValueError(f"The decoder prompt (length {req.num_prompt_tokens}) is longer than the maximum model length "
+                             f"of {cfg.max_model_len} less the one token it must generate (max_model_len)")
+        # as vLLM: a request generates up to max_tokens, or until it fills max_model_len ("length")
+        room = cfg.max_model_len - req.num_prompt_tokens
+        asked = req.sampling_params.max_tokens
+        req.max_tokens = room if asked is None else min(asked, room)
         if req.sampling_params.n > cfg.max_num_seqs:
             raise ValueError(f"n ({req.sampling_params.n}) exceeds max_num_seqs ({cfg.max_num_seqs})")
         # a request must be able to run to max_tokens alone, or preemption could never help it
@@ -241,6 +242,7 @@ class Scheduler:
                         group_id=group_id, sample_index=sample_index, extra_key=parent.extra_key)
         child.all_token_ids = list(parent.all_token_ids)
         child.block_hashes = list(parent.block_hashes)
+        child.max_tokens = parent.max_tokens
         child.num_computed_tokens = parent.num_computed_tokens if num_computed is None else num_computed
         child.status = RequestStatus.RUNNING
         child.order = parent.order[:2] + (sample_index,)
@@ -349,11 +351,10 @@ class Scheduler:
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         sp = req.sampling_params
-        if not sp.ignore_eos and req.eos_token_id is not None and token == req.eos_token_id:
+        if req.num_output_tokens > sp.min_tokens and (  # before min_tokens the device bans them
+                (not sp.ignore_eos and token == req.eos_token_id) or token in (sp.stop_token_ids or ())):
             return RequestStatus.FINISHED_STOPPED
-        if sp.stop_token_ids and token in sp.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.config.max_model_len:
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -57,6 +57,8 @@ class Request:
     group_id: str | None = None       # the parent's id for every member of an n > 1 group
     sample_index: int = 0             # which of the group's n samples this is
     extra_key: object = None          # mixed into prefix hashes (an adapter id)
+    max_tokens: int | None = None     # the tokens it may generate: min(sampling max_tokens, what fits
+                                      # max_model_len), set by Scheduler.add_request
 
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
@@ -98,7 +100,8 @@ class Request:
     @property
     def max_num_tokens(self) -> int:
         """Prompt + max_tokens: the most KV this request can ever hold."""
-        return self.num_prompt_tokens + self.sampling_params.max_tokens
+        limit = self.max_tokens if self.max_tokens is not None else self.sampling_params.max_tokens
+        return self.num_prompt_tokens + (limit if limit is not None else 0)
 
     @property
     def num_seats(self) -> int:
