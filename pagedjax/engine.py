@@ -31,6 +31,7 @@ from pagedjax.parallel import check_tensor_parallel, param_bytes_per_device
 from pagedjax.runner import ModelRunner
 from pagedjax.sampling_params import SamplingParams
 from pagedjax.scheduler.batch import BatchPacker
+from pagedjax.scheduler.logits_inputs import LogitsPacker
 from pagedjax.scheduler.scheduler import Scheduler
 from pagedjax.scheduler.sequence import Request, RequestStatus
 
@@ -72,6 +73,7 @@ class LLMEngine:
             num_host = num_blocks if config.num_host_blocks is None else config.num_host_blocks
         self.scheduler = Scheduler(config, num_blocks)
         self.packer = BatchPacker(config)
+        self.logits_packer = LogitsPacker(mc.vocab_size, config.max_model_len)
         self.runner = ModelRunner(mc, params, config, num_blocks, num_host_blocks=num_host,
                                   num_logprobs=max_logprobs, logits_hook=logits_hook)
         self.max_logprobs = max_logprobs
@@ -147,10 +149,33 @@ class LLMEngine:
             params.stop_token_ids = list(params.stop_token_ids or []) + sorted(self.eos_token_ids - {eos})
         req = Request(request_id, [int(t) for t in ids], params,
                       arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
-                      eos_token_id=eos, seed=seed)
+                      eos_token_id=eos, seed=seed, bad_words_token_ids=self._bad_words(params.bad_words))
         self.scheduler.add_request(req)  # validates lengths against max_model_len and the pool
         self.output_processor.add(request_id, text, req.prompt_token_ids, params, req)
         return request_id
+
+    def _bad_words(self, words: list[str] | None) -> list[list[int]] | None:
+        """Each bad word's token ids as vLLM finds them: the word alone, and with a leading space
+        when that tokenizes to a different first token of the same length (a word mid-text)."""
+        if not words:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer and the model has none: use logit_bias or "
+                             "allowed_token_ids")
+        out = []
+        for word in words:
+            alone = list(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = list(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            out += [alone] if alone else []
+            if spaced and (not alone or (spaced[0] != alone[0] and len(spaced) == len(alone))):
+                out.append(spaced)
+        vocab = self.model_config.vocab_size
+        invalid = sorted({t for w in out for t in w if not 0 <= t < vocab})
+        if invalid:
+            raise ValueError(f"The model vocabulary size is {vocab}, but the following tokens were specified as "
+                             f"bad: {invalid}. All token id values should be integers satisfying: "
+                             f"0 <= token_id < {vocab}.")
+        return out
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         """(text or None, token ids) of a prompt: a string, token ids, a TextPrompt
@@ -220,8 +245,9 @@ class LLMEngine:
         t1 = time.perf_counter()
         step = self.packer.pack(out, sched.kv)
         t2 = time.perf_counter()
+        procs = self.logits_packer.pack(out, step.bucket[1])
         try:
-            tokens, logprob, rank, top_ids, top_lps, errors = self.runner.execute(out, step)
+            tokens, logprob, rank, top_ids, top_lps, errors = self.runner.execute(out, step, procs)
         except BaseException:
             self.scheduler.rollback_step(out)
             raise
@@ -246,7 +272,7 @@ class LLMEngine:
 
     def warmup(self) -> float:
         """Compile every bucket now, so no request ever waits for a compilation."""
-        dt = self.runner.warmup(self.buckets())
+        dt = self.runner.warmup(self.buckets(), max_model_len=self.config.max_model_len)
         self.warmup_seconds = dt
         self.compilations_at_warmup = self.runner.num_compilations
         return dt

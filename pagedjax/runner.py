@@ -34,15 +34,17 @@ from pagedjax.attention import init_kv_cache, make_attention, resolve_backend
 from pagedjax.config import EngineConfig
 from pagedjax.model.llama import ModelConfig, compute_logits, forward
 from pagedjax.pallas.common import DeviceLimits, device_limits
-from pagedjax.sampling import greedy, resample
+from pagedjax.logits_processors import apply_logits_processors
+from pagedjax.sampling import greedy, resample, sample_processed
 from pagedjax.scheduler.batch import SamplingInputs, StepInput, step_fields
+from pagedjax.scheduler.logits_inputs import LogitsInputs
 from pagedjax.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 # The step's inputs are plain dataclasses of numpy arrays on the host (no JAX there); the jitted
 # step takes them as they are.
-for _cls in (StepInput, SamplingInputs):
+for _cls in (StepInput, SamplingInputs, LogitsInputs):
     jax.tree_util.register_dataclass(_cls, data_fields=step_fields(_cls), meta_fields=[])
 
 COPY_BUCKETS = (8, 64, 512)
@@ -98,6 +100,20 @@ def resample_step(safe, lse, tokens, sampling: SamplingInputs):
     _trace()
     s = sampling
     return resample(safe, lse, tokens, s.temperature, s.top_k, s.top_p, s.min_p, s.seeds, s.sample_positions)
+
+
+@functools.partial(jax.jit, static_argnames=("random",))
+def process_step(safe, lse, sampling: SamplingInputs, procs: LogitsInputs, *, random: bool):
+    """(tokens, logprobs, ranks) of a step in which some row uses logits processors (penalties,
+    logit_bias, allowed_token_ids, bad_words, min_tokens): its logits processed, then every row
+    greedy or sampled (random: some row samples). Logprobs and ranks are the raw model's. A call
+    of its own, like `resample_step`, so a step without processors pays nothing for them; one
+    compilation per row bucket S and value of `random`."""
+    _trace()
+    s = sampling
+    logits = apply_logits_processors(safe, procs)
+    return sample_processed(logits, safe, lse, s.temperature, s.top_k, s.top_p, s.min_p, s.seeds,
+                            s.sample_positions, random=random)
 
 
 @functools.partial(jax.jit, static_argnames=("mesh",), donate_argnums=(0,))
@@ -180,9 +196,10 @@ class ModelRunner:
         """Compilations in this process so far (shared by engines of the same model and shapes)."""
         return _Counter.value
 
-    def execute(self, out: SchedulerOutput, step: StepInput):
+    def execute(self, out: SchedulerOutput, step: StepInput, procs: LogitsInputs | None = None):
         """Apply the step's swaps and copies, run it, apply the copies owed after it, and return host arrays:
-        (sampled int32[R], logprob f32[R], rank int32[R], top ids [R, K], top logprobs [R, K], errors bool[R])."""
+        (sampled int32[R], logprob f32[R], rank int32[R], top ids [R, K], top logprobs [R, K], errors bool[R]).
+        procs: the rows' logits-processor inputs, None when no row uses one."""
         if out.swap_out:
             self.swap_out(out.swap_out)
         if out.swap_in:
@@ -194,7 +211,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         inputs = self._inputs(host)
         results, logits, self.kv_cache = self._step(self.params, self.kv_cache, inputs)
-        if np.any(host.sampling.temperature > 0):
+        random = bool(np.any(host.sampling.temperature > 0))
+        if procs is not None:
+            results = self._process(results, logits, inputs, self._inputs(procs), random)
+        elif random:
             results = self._resample(results, logits, inputs)
         if out.block_copies_after:
             # contiguous forks copy blocks the step itself has just filled
@@ -210,6 +230,12 @@ class ModelRunner:
     def _resample(results, logits, inputs):
         tokens, logprob, rank, top_ids, top_lps, finite = results
         tokens, logprob, rank = resample_step(*logits, tokens, inputs.sampling)
+        return tokens, logprob, rank, top_ids, top_lps, finite
+
+    @staticmethod
+    def _process(results, logits, inputs, procs, random):
+        tokens, logprob, rank, top_ids, top_lps, finite = results
+        tokens, logprob, rank = process_step(*logits, inputs.sampling, procs, random=random)
         return tokens, logprob, rank, top_ids, top_lps, finite
 
     # -- block moves -----------------------------------------------------------------------------
@@ -245,16 +271,22 @@ class ModelRunner:
         self.kv_cache = self._scatter(self.kv_cache, padded[:, 1], tuple(blocks))
 
     # -- warm-up -----------------------------------------------------------------------------------
-    def warmup(self, buckets, *, with_copies: bool = True) -> float:
-        """Compile every (T, S, P) bucket and the block-move functions; returns seconds spent."""
+    def warmup(self, buckets, *, with_copies: bool = True, max_model_len: int | None = None) -> float:
+        """Compile every (T, S, P) bucket and the block-move functions; returns seconds spent.
+        max_model_len: also compile the logits processors for each row bucket (their inputs hold
+        max_model_len tokens per row)."""
         t0 = time.perf_counter()
         sampled_rows = set()
         for T, S, P in buckets:
             inputs = self._inputs(StepInput.padding(T, S, P))
             results, logits, self.kv_cache = self._step(self.params, self.kv_cache, inputs)
-            if S not in sampled_rows:  # the sampler compiles once per row bucket
+            if S not in sampled_rows:  # the sampler and the processors compile once per row bucket
                 sampled_rows.add(S)
-                results = self._resample(results, logits, inputs)
+                jax.block_until_ready(self._resample(results, logits, inputs))
+                if max_model_len:
+                    procs = self._inputs(LogitsInputs.neutral(S, self.cfg.vocab_size, max_model_len))
+                    for random in (False, True):
+                        jax.block_until_ready(self._process(results, logits, inputs, procs, random))
             jax.block_until_ready(results)
         if with_copies:
             for C in COPY_BUCKETS:

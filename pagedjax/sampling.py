@@ -82,9 +82,30 @@ def resample(logits: jax.Array, lse: jax.Array, greedy_tokens: jax.Array, temper
     int32[S]: 1 + the tokens with a higher logit)."""
     drawn = _sample_random(logits, temperature, top_k, top_p, min_p, seeds, positions)
     tokens = jnp.where(temperature == 0, greedy_tokens, drawn).astype(jnp.int32)
+    return (tokens,) + logprob_and_rank(logits, lse, tokens)
+
+
+def sample_processed(logits: jax.Array, raw: jax.Array, lse: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                     top_p: jax.Array, min_p: jax.Array, seeds: jax.Array, positions: jax.Array, *, random: bool):
+    """Tokens chosen from processed logits (pagedjax.logits_processors; -inf where banned), their
+    logprob and rank from the model's raw logits and logsumexp. A row whose processors banned every
+    token chooses from its raw logits. random=False: every row is greedy (nothing drawn)."""
+    allowed = jnp.any(logits > -jnp.inf, axis=-1, keepdims=True)
+    logits = jnp.where(allowed, logits, raw)
+    tokens = _argmax(logits)
+    if random:
+        drawn = _sample_random(logits, temperature, top_k, top_p, min_p, seeds, positions)
+        tokens = jnp.where(temperature == 0, tokens, drawn)
+    tokens = tokens.astype(jnp.int32)
+    return (tokens,) + logprob_and_rank(raw, lse, tokens)
+
+
+def logprob_and_rank(logits: jax.Array, lse: jax.Array, tokens: jax.Array):
+    """(logprob f32[S], rank int32[S]) of each row's token: logit - logsumexp, and 1 + the tokens
+    with a higher logit."""
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)
     rank = 1 + jnp.sum(logits > chosen, axis=-1).astype(jnp.int32)
-    return tokens, chosen[:, 0] - lse, rank
+    return chosen[:, 0] - lse, rank
 
 
 def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,

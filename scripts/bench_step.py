@@ -10,6 +10,13 @@ jitted forward alone at the same batch and context, with and without the attenti
 cached context, to say how much of the difference that attention is.
 
     python scripts/bench_step.py [--model smollm2-135m] [--batch 1 8 32 64] [--context 200]
+
+--processors also times, per batch size and in turn, the same decode step with vLLM's logits
+processors off and on: "plain" (no row uses one: the engine checks and runs the step it always
+ran), "no check" (the same, with the engine's per-step check for processors skipped: the cost of
+having them at all), "penalties" (every row with repetition, frequency and presence penalties),
+"all" (every row with the penalties, logit_bias, allowed_token_ids, bad_words and min_tokens), each
+greedy, and "sampled" / "all, sampled" at temperature 0.8.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pagedjax.engine import LLMEngine
+from pagedjax.scheduler.logits_inputs import LogitsPacker
 from pagedjax.attention import Attention, AttentionMetadata, init_kv_cache, make_attention
 from pagedjax.model.llama import attn_out_and_mlp, compute_logits, forward, linear, rms_norm
 from pagedjax.sampling_params import SamplingParams
@@ -126,6 +134,47 @@ def timed_in_turn(fns, n):
     return [float(np.median(t)) for t in ts]
 
 
+PROCESSOR_VARIANTS = {
+    "plain": {},
+    "no check": {},
+    "penalties": dict(repetition_penalty=1.1, frequency_penalty=0.3, presence_penalty=0.2),
+    "all": dict(repetition_penalty=1.1, frequency_penalty=0.3, presence_penalty=0.2, logit_bias={7: 1.0, 9: -2.0},
+                allowed_token_ids=True, min_tokens=4096, stop_token_ids=[0]),
+    "sampled": dict(temperature=0.8, top_p=0.9),
+    "all, sampled": dict(temperature=0.8, top_p=0.9, repetition_penalty=1.1, frequency_penalty=0.3,
+                         presence_penalty=0.2, logit_bias={7: 1.0, 9: -2.0}, allowed_token_ids=True, min_tokens=4096, stop_token_ids=[0]),
+}
+PROCESSOR_STEPS = 4 * 3 * len(PROCESSOR_VARIANTS)  # 4 steps per variant per round, 3 rounds
+
+
+def time_processors(eng, live, rounds=3, steps=3):
+    """Median engine step (ms) with each of PROCESSOR_VARIANTS applied to every live request, the
+    variants taken in turn, `steps` timed steps each after one untimed step, `rounds` times."""
+    times = {name: [] for name in PROCESSOR_VARIANTS}
+    V = eng.model_config.vocab_size
+    allowed = list(range(V // 8, V // 2))  # "allowed_token_ids=True" below: half the vocabulary
+    base = {r.request_id: r.sampling_params for r in live}
+    for _ in range(rounds):
+        for name, kw in PROCESSOR_VARIANTS.items():
+            for r in live:
+                kw = {**kw, "allowed_token_ids": allowed} if "allowed_token_ids" in kw else kw
+                r.sampling_params = base[r.request_id].replace(**{"temperature": 0.0, **kw, "max_tokens": None})
+                r.bad_words_token_ids = [[11, 12], [13]] if name.startswith("all") else None
+            eng.logits_packer = LogitsPacker(eng.model_config.vocab_size, eng.config.max_model_len)
+            if name == "no check":
+                eng.logits_packer.pack = lambda out, S: None
+            eng.step()  # untimed: the packer builds each row's state once
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                eng.step()
+                times[name].append(time.perf_counter() - t0)
+    eng.logits_packer = LogitsPacker(eng.model_config.vocab_size, eng.config.max_model_len)
+    for r in live:
+        r.sampling_params = base[r.request_id]
+        r.bad_words_token_ids = None
+    return {name: float(np.median(t)) * 1e3 for name, t in times.items()}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
@@ -134,6 +183,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--processors", action="store_true", help="also time the logits processors off and on")
     ap.add_argument("--json", default="results/bench_step.json")
     args = ap.parse_args()
     rows = []
@@ -147,7 +197,8 @@ def main() -> int:
     # prefill chunks, and block tables up to 32 pages (512 tokens), or as many as a request can
     # reach: the first requests decode while the others prefill, then the timed steps
     budget = 256
-    reach = args.context + -(-max_b * args.context // budget) + args.steps + 16
+    reach = (args.context + -(-max_b * args.context // budget) + args.steps + 16
+             + (PROCESSOR_STEPS if args.processors else 0))
     max_model_len = max(512, -(-reach // 128) * 128)
     eng = LLMEngine(args.model, dtype=args.dtype, max_num_seqs=max_b, max_num_batched_tokens=budget,
                     max_model_len=max_model_len, attention_backend=args.attention_backend, enable_prefix_caching=False,
@@ -186,8 +237,16 @@ def main() -> int:
                               backend=eng.backend)
                  for w in (True, False)],
                 args.steps)
+        procs = None
+        if args.processors:
+            before = eng.num_compilations
+            procs = time_processors(eng, live)
+            base = procs["no check"]
+            print("           logits processors, step ms: " + ", ".join(
+                f"{k} {v:.1f} ({v / base - 1:+.1%})" for k, v in procs.items())
+                  + f"  [vs no check; {eng.num_compilations - before} compilations]")
         eng.abort_request([f"b{B}-{i}" for i in range(B)])
-        row = {"batch": B, "prompt": args.context, "mean_context_after": context, "step_ms": full * 1e3, "matmul_only_ms": mm * 1e3,
+        row = {"processors_step_ms": procs,"batch": B, "prompt": args.context, "mean_context_after": context, "step_ms": full * 1e3, "matmul_only_ms": mm * 1e3,
                "ratio": full / mm, "decode_tok_s": B / full, "new_compilations": eng.num_compilations - compiles,
                "forward_ms": fwd and fwd * 1e3, "forward_no_context_ms": fwd_noctx and fwd_noctx * 1e3}
         rows.append(row)

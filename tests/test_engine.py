@@ -147,7 +147,9 @@ def test_logprobs_match_hf(llm_ref, hf_tiny):
 # -- zero recompiles -----------------------------------------------------------------------------------
 def test_no_recompilation_after_warmup(warm_llm):
     """2,000 steps of arrivals, finishes, chunked prefills, aborts, forks (n=2) and preemptions in a
-    19-block pool: the compile counter does not move after warmup()."""
+    19-block pool, requests with random mixes of the logits processors (penalties, logit_bias,
+    allowed_token_ids, bad_words, min_tokens) among plain ones: the compile counter does not move
+    after warmup()."""
     eng = warm_llm.llm_engine
     assert eng.warmup_seconds is not None
     n_compiled = eng.num_compilations  # the counter is process-wide: nothing may compile from here on
@@ -163,7 +165,15 @@ def test_no_recompilation_after_warmup(warm_llm):
         buckets.add(step.bucket)
         return step
 
+    orig_pack_logits = eng.logits_packer.pack
+
+    def pack_logits(out, S):
+        procs = orig_pack_logits(out, S)
+        counts["steps with processors" if procs is not None else "steps without"] += 1
+        return procs
+
     eng.packer.pack = pack
+    eng.logits_packer.pack = pack_logits
     try:
         with recording_schedules(eng) as outs:
             for _ in range(2000):
@@ -172,12 +182,12 @@ def test_no_recompilation_after_warmup(warm_llm):
                     prompt = (system if rng.random() < 0.3 else []) + rng.integers(3, 384, plen).tolist()
                     prompt = prompt[:100]
                     kind = rng.integers(4)  # greedy, top-k with logprobs, top-p + min-p, n=2 samples
+                    max_tokens = int(rng.integers(1, min(40, 128 - len(prompt)) + 1))
                     sp = SamplingParams(
                         n=2 if kind == 3 else 1, temperature=0.0 if kind == 0 else 0.9,
                         top_k=int(rng.integers(1, 50)) if kind == 1 else -1, top_p=0.8 if kind == 2 else 1.0,
                         min_p=0.05 if kind == 2 else 0.0, ignore_eos=bool(rng.random() < 0.5),
-                        max_tokens=int(rng.integers(1, min(40, 128 - len(prompt)) + 1)),
-                        logprobs=2 if kind == 1 else None)
+                        max_tokens=max_tokens, logprobs=2 if kind == 1 else None, **processor_mix(rng, max_tokens))
                     live.add(eng.add_request(None, ids(prompt), sp))
                     counts["arrived"] += 1
                 if live and rng.random() < 0.02:
@@ -192,7 +202,7 @@ def test_no_recompilation_after_warmup(warm_llm):
             while eng.has_unfinished_requests():
                 eng.step()
     finally:
-        del eng.packer.pack
+        del eng.packer.pack, eng.logits_packer.pack
     counts["preempted"] = sum(len(o.preempted) for o in outs)
     counts["chunked"] = num_chunked_rows(outs)
     counts["prefix_hit_tokens"] = sum(o.prefix_hit_tokens for o in outs)
@@ -200,6 +210,7 @@ def test_no_recompilation_after_warmup(warm_llm):
     assert counts["arrived"] > 150 and counts["finished"] > 100, counts
     assert counts["aborted"] > 10 and counts["preempted"] > 20 and counts["chunked"] > 50, counts
     assert counts["prefix_hit_tokens"] > 0 and counts["cow_copies"] > 0, counts
+    assert counts["steps with processors"] > 500 and counts["steps without"] > 50, counts
     assert buckets == set(eng.buckets()), buckets  # every warmed bucket was used
     assert eng.num_compilations == n_compiled, "a bucket compiled after warmup()"
     assert_pool_clean(eng)
@@ -207,27 +218,55 @@ def test_no_recompilation_after_warmup(warm_llm):
 
 # -- batch invariance ----------------------------------------------------------------------------------
 TARGET = list(range(40, 52))
-TARGET_SP = SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=24, ignore_eos=True)
+TARGET_SP = {
+    "plain": SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=24, ignore_eos=True),
+    # every logits processor at once (the byte tokenizer makes "ab" the tokens of "a" and "b")
+    "processors": SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=24, min_tokens=24,
+                                 repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2,
+                                 logit_bias={100: 3.0, 101: -5.0}, bad_words=["ab"]),
+}
 
 
-@pytest.fixture(scope="module")
-def target_alone(crowd_llm):
-    out = crowd_llm.generate([ids(TARGET)], TARGET_SP, use_tqdm=False)[0]
+def processor_mix(rng, max_tokens: int) -> dict:
+    """A random mix of the logits processors' parameters (some rows none)."""
+    kw = {}
+    if rng.random() < 0.5:
+        kw.update(repetition_penalty=float(rng.choice([0.8, 1.2])), presence_penalty=float(rng.uniform(-1, 1)),
+                  frequency_penalty=float(rng.uniform(-1, 1)))
+    if rng.random() < 0.3:
+        kw["logit_bias"] = {int(t): float(rng.uniform(-5, 5)) for t in rng.integers(3, 384, 4)}
+    if rng.random() < 0.2:
+        kw["allowed_token_ids"] = sorted({int(t) for t in rng.integers(3, 384, 40)})
+    if rng.random() < 0.2:
+        kw["bad_words"] = ["the", "a"]
+    if rng.random() < 0.3:
+        kw["min_tokens"] = int(rng.integers(1, max_tokens + 1))
+    return kw
+
+
+@pytest.fixture(scope="module", params=sorted(TARGET_SP))
+def target(request, crowd_llm):
+    """(params, tokens) of the target request alone."""
+    sp = TARGET_SP[request.param]
+    out = crowd_llm.generate([ids(TARGET)], sp, use_tqdm=False)[0]
     toks = out.outputs[0].token_ids
     assert len(toks) == 24 and len(set(toks)) > 8  # really sampled, not a repeated token
-    return toks
+    return sp, toks
 
 
-def test_seeded_request_same_among_31_others(crowd_llm, target_alone):
+def test_seeded_request_same_among_31_others(crowd_llm, target):
+    """The target alone and among 31 others, some with logits processors and some without: the same
+    tokens (a plain target runs through the processors' program when a neighbour uses them)."""
+    target_sp, target_alone = target
     rng = np.random.default_rng(11)
     prompts, params = [], []
     for i in range(31):
         prompts.append(ids(rng.integers(3, 384, int(rng.integers(1, 30))).tolist()))
         params.append(SamplingParams(temperature=float(rng.choice([0.0, 0.7, 1.0])), top_k=int(rng.choice([-1, 20])),
-                                     seed=None if i % 2 else i, max_tokens=int(rng.integers(12, 40)),
-                                     ignore_eos=True))
+                                     seed=None if i % 2 else i, max_tokens=12 + i, ignore_eos=True,
+                                     **(processor_mix(rng, 12) if i % 3 else {})))
     prompts.insert(17, ids(TARGET))
-    params.insert(17, TARGET_SP)
+    params.insert(17, target_sp)
     eng = crowd_llm.llm_engine
     with recording_schedules(eng) as outs:
         results = crowd_llm.generate(prompts, params, use_tqdm=False)
@@ -238,7 +277,7 @@ def test_seeded_request_same_among_31_others(crowd_llm, target_alone):
         eng.add_request(None, p, sp)
     for _ in range(5):
         eng.step()
-    late = crowd_llm.generate([ids(TARGET)], TARGET_SP, use_tqdm=False)[0]
+    late = crowd_llm.generate([ids(TARGET)], target_sp, use_tqdm=False)[0]
     while eng.has_unfinished_requests():
         eng.step()
     assert late.outputs[0].token_ids == target_alone
@@ -246,9 +285,10 @@ def test_seeded_request_same_among_31_others(crowd_llm, target_alone):
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_seeded_request_same_after_preemption(warm_llm, swap_llm, target_alone, mode):
+def test_seeded_request_same_after_preemption(warm_llm, swap_llm, target, mode):
     """Three long requests admitted first outgrow the 19-block pool: the newest running request,
     the target, is preempted (recomputed or swapped out and back) and still samples the same tokens."""
+    target_sp, target_alone = target
     llm = warm_llm if mode == "recompute" else swap_llm
     eng = llm.llm_engine
     assert eng.config.preemption_mode == mode
@@ -257,7 +297,7 @@ def test_seeded_request_same_after_preemption(warm_llm, swap_llm, target_alone, 
     others = [ids(p) for p in prompts_of(rng, [30, 30, 30], hi=384)]
     long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     with recording_schedules(eng) as outs:
-        results = llm.generate(others + [ids(TARGET)], [long] * 3 + [TARGET_SP], use_tqdm=False)
+        results = llm.generate(others + [ids(TARGET)], [long] * 3 + [target_sp], use_tqdm=False)
     target = results[3]
     assert target.metrics.num_preemptions >= 1
     if mode == "swap":
@@ -486,13 +526,13 @@ def test_keyboard_interrupt_in_step_leaves_engine_usable(llm_ref, monkeypatch, w
     real = eng.runner.execute
     calls = {"n": 0}
 
-    def execute(out, step):
+    def execute(out, step, procs=None):
         calls["n"] += 1
         if calls["n"] == 2:  # the 40-token prompt's second chunk, the 3-token prompt and a decode
             if when == "after":
-                real(out, step)
+                real(out, step, procs)
             raise KeyboardInterrupt
-        return real(out, step)
+        return real(out, step, procs)
 
     monkeypatch.setattr(eng.runner, "execute", execute)
     # 1. driving the engine directly: the interrupted step is rolled back and scheduled again

@@ -59,6 +59,7 @@ class Request:
     extra_key: object = None          # mixed into prefix hashes (an adapter id)
     max_tokens: int | None = None     # the tokens it may generate: min(sampling max_tokens, what fits
                                       # max_model_len), set by Scheduler.add_request
+    bad_words_token_ids: list[list[int]] | None = None  # sampling_params.bad_words, tokenized
 
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
