@@ -1,14 +1,15 @@
 """pagedjax: PagedAttention and continuous batching in JAX and Pallas."""
 
+from pagedjax.engine_args import EngineArgs
 from pagedjax.inputs import PromptType, TextPrompt, TokensPrompt
-from pagedjax.sampling_params import RequestOutputKind, SamplingParams
+from pagedjax.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
+__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
            "TextPrompt", "TokensPrompt", "PromptType", "BeamSearchParams", "EngineConfig"]
 
 # the engine imports JAX; the host-side modules (scheduler, block pool) must stay importable without it
 _LAZY = {"LLM": "pagedjax.llm", "LLMEngine": "pagedjax.engine", "RequestOutput": "pagedjax.outputs",
-         "CompletionOutput": "pagedjax.outputs", "BeamSearchParams": "pagedjax.beam_search",
+         "CompletionOutput": "pagedjax.outputs",
          "EngineConfig": "pagedjax.config"}
 
 

@@ -13,28 +13,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedjax.sampling_params import SamplingParams
+from pagedjax.sampling_params import BeamSearchParams, SamplingParams
 
-
-@dataclass
-class BeamSearchParams:
-    beam_width: int
-    max_tokens: int
-    length_penalty: float = 1.0
-    ignore_eos: bool = False
-
-    def __post_init__(self):
-        if not isinstance(self.beam_width, int) or self.beam_width < 1:
-            raise ValueError(f"BeamSearchParams.beam_width must be an int >= 1, got {self.beam_width!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"BeamSearchParams.max_tokens must be an int >= 1, got {self.max_tokens!r}")
+__all__ = ["BeamSearchParams", "BeamSearchOutput", "BeamSequence", "beam_search"]
 
 
 @dataclass
 class BeamSequence:
     tokens: list[int]          # prompt + generated
     cum_logprob: float
-    text: str | None = None
+    text: str | None = None    # the whole sequence decoded, prompt included (as vLLM's beam search)
     finished: bool = False
 
 
@@ -117,7 +105,7 @@ def _search(eng, prompt, params: BeamSearchParams) -> BeamSearchOutput:
     finished.sort(key=lambda b: -_beam_score(b, prompt_len, params.length_penalty))
     for b in finished:
         if eng.tokenizer is not None:  # a HF directory without tokenizer files: token ids only
-            b.text = eng.tokenizer.decode(b.tokens[prompt_len:], skip_special_tokens=True)
+            b.text = eng.tokenizer.decode(b.tokens)
     return BeamSearchOutput(finished[:k], peak_phys, peak_clone)
 
 

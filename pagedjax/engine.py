@@ -17,13 +17,13 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from pagedjax.attention import resolve_backend
 from pagedjax.config import EngineConfig
+from pagedjax.engine_args import EngineArgs, split_engine_kwargs
 from pagedjax.metrics import StepTiming
-from pagedjax.model.hub import LoadedModel, load_any_model
+from pagedjax.model.hub import LoadedModel, prepare_model
 from pagedjax.output_processor import OutputProcessor
 from pagedjax.outputs import RequestOutput
 from pagedjax.pallas.common import check_supported, device_limits
@@ -39,15 +39,16 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, model: str | LoadedModel = "smollm2-135m", *, dtype: str | Any = "float32", max_logprobs: int = 20,
-                 logits_hook=None, **config_kwargs):
+    def __init__(self, model: str | LoadedModel = "smollm2-135m", *, dtype: str | Any = "auto", max_logprobs: int = 20,
+                 logits_hook=None, **kwargs):
+        """`model`: a built-in name, a HF directory, a .gguf file, a Hugging Face hub id or a
+        LoadedModel. `dtype`: float32, bfloat16, float16, or "auto": the checkpoint's dtype; on a
+        CPU float32, where XLA's half-precision matmuls are slower and less exact. `kwargs`: vLLM's
+        engine arguments (pagedjax.engine_args): EngineConfig's knobs, the model's source
+        (revision, download_dir, tokenizer, ...), others checked or accepted with a warning."""
+        config_kwargs, source = split_engine_kwargs(kwargs)
         self.config = config = EngineConfig(**config_kwargs)
-        self.dtype = _float_dtype(dtype)
-        if isinstance(model, LoadedModel):
-            self.model_config, params, self.tokenizer = model
-            params = jax.tree.map(lambda w: w.astype(self.dtype) if w.dtype != self.dtype else w, params)
-        else:
-            self.model_config, params, self.tokenizer = load_any_model(model, self.dtype, config.seed)
+        (self.model_config, params, self.tokenizer), self.dtype = prepare_model(model, dtype, config.seed, **source)
         mc = self.model_config
         if config.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's "
@@ -88,6 +89,11 @@ class LLMEngine:
         # per step: where the time went and which compiled bucket ran (the scheduler's
         # metrics.steps hold what ran: rows, tokens, KV use, preemptions, prefix hits)
         self.step_timings: list[StepTiming] = []
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+        """vLLM's spelling: `LLMEngine.from_engine_args(EngineArgs(model=..., **kwargs))`."""
+        return cls(engine_args.model, **engine_args.kwargs)
 
     def _default_num_blocks(self, params) -> int:
         """CPU: room for every seat at max_model_len. GPU/TPU: gpu_memory_utilization of the
@@ -251,6 +257,8 @@ class LLMEngine:
         except BaseException:
             self.scheduler.rollback_step(out)
             raise
+        if any(r.skip_prefix_cache for r in out.scheduled):
+            self._record_prompt_logprobs(out, step.bucket[0])
         t3 = time.perf_counter()
         lps = None
         if any(r.sampling_params.logprobs is not None for r in out.scheduled):
@@ -263,6 +271,26 @@ class LLMEngine:
         self.step_timings.append(StepTiming(out.step, step.bucket, t1 - t0, t2 - t1, t3 - t2, t4 - t3,
                                             time.perf_counter() - t4))
         return outputs
+
+    def _record_prompt_logprobs(self, out, T: int) -> None:
+        """Append to each prefilling request that asks for prompt logprobs those of the prompt
+        tokens this step's chunk predicts: the token after each computed position, up to the end of
+        the prompt. A recomputed prompt (after preemption) records nothing twice."""
+        targets = np.zeros(T, np.int32)
+        rows, q = [], 0
+        for req, n in zip(out.scheduled, out.num_new_tokens):
+            start = req.num_computed_tokens
+            first = max(start, len(req.prompt_logprobs))   # position predicting prompt token first + 1
+            last = min(start + n, req.num_prompt_tokens - 1)
+            if req.skip_prefix_cache and first < last:
+                targets[q + first - start:q + last - start] = req.prompt_token_ids[first + 1:last + 1]
+                rows.append((req, q + first - start, last - first))
+            q += n
+        if rows:
+            logprob, rank, top_ids, top_lps = self.runner.prompt_logprobs(targets)
+            for req, i, count in rows:
+                req.prompt_logprobs += [(float(logprob[j]), top_ids[j].tolist(), top_lps[j].tolist(), int(rank[j]))
+                                        for j in range(i, i + count)]
 
     # -- warm-up and stats -----------------------------------------------------------------------
     def buckets(self) -> list[tuple[int, int, int]]:
@@ -281,14 +309,3 @@ class LLMEngine:
     def num_compilations(self) -> int:
         return self.runner.num_compilations
 
-
-def _float_dtype(dtype) -> jnp.dtype:
-    """The params' and KV cache's dtype: one the model and the attention kernels compute in."""
-    allowed = ("float32", "bfloat16", "float16")
-    try:
-        dt = jnp.dtype(dtype)
-    except TypeError:
-        dt = None
-    if dt is None or dt.name not in allowed:
-        raise ValueError(f"dtype must be one of {', '.join(allowed)}, got {dtype!r}")
-    return dt

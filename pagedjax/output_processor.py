@@ -135,7 +135,8 @@ class OutputProcessor:
                 stop_reason = last if last != m.eos_token_id else None
             outputs.append(CompletionOutput(i, text, ids, cum, lps, reason if m.is_finished or s.stopped else None,
                                             stop_reason))
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, group.prompt_logprobs, outputs,
+        prompt_logprobs = self._prompt_logprobs(group, parent)
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, prompt_logprobs, outputs,
                              finished, _stats(parent, members), max(parent.num_cached_tokens, 0),
                              [m.record for m in members if m is not None and m.record is not None] if finished else [])
 
@@ -144,17 +145,35 @@ class OutputProcessor:
         sampled token with its own rank."""
         if sp.logprobs is None:
             return None
-        out = []
         decode = self._decode if sp.detokenize else (lambda t: None)
-        for tok, entry in zip(m.output_token_ids, m.output_logprobs):
-            sampled_lp, ids, vals = entry[:3]
-            rank = entry[3] if len(entry) > 3 else None
-            d = {int(t): Logprob(float(v), r + 1, decode(t)) for r, (t, v) in enumerate(zip(ids[:sp.logprobs],
-                                                                                        vals[:sp.logprobs]))}
-            if tok not in d:
-                d[tok] = Logprob(float(sampled_lp), rank, decode(tok))
-            out.append(d)
-        return out
+        return [self._logprob_dict(tok, entry, sp.logprobs, decode)
+                for tok, entry in zip(m.output_token_ids, m.output_logprobs)]
+
+    def _prompt_logprobs(self, group: _Group, parent: Request):
+        """vLLM's prompt_logprobs once the prompt's are all recorded: None for the first prompt
+        token (nothing predicts it), then {token id: Logprob} per token as for generated ones. A
+        DELTA request gets them once, in its first output after they are complete."""
+        sp = group.params
+        if sp.prompt_logprobs is None or parent.skip_prefix_cache:
+            return None
+        if group.prompt_logprobs is None:
+            decode = self._decode if sp.detokenize else (lambda t: None)
+            group.prompt_logprobs = [None] + [
+                self._logprob_dict(tok, entry, sp.prompt_logprobs, decode)
+                for tok, entry in zip(parent.prompt_token_ids[1:], parent.prompt_logprobs)]
+        elif sp.output_kind == RequestOutputKind.DELTA:
+            return None
+        return group.prompt_logprobs
+
+    @staticmethod
+    def _logprob_dict(tok: int, entry, k: int, decode) -> dict[int, Logprob]:
+        """The top k of `entry` = (token's logprob, top ids, top logprobs[, token's rank]) with
+        ranks 1..k, and `tok` with its own rank if it is not among them."""
+        lp, ids, vals = entry[:3]
+        d = {int(t): Logprob(float(v), r + 1, decode(t)) for r, (t, v) in enumerate(zip(ids[:k], vals[:k]))}
+        if tok not in d:
+            d[tok] = Logprob(float(lp), entry[3] if len(entry) > 3 else None, decode(tok))
+        return d
 
     def _decode(self, token_id) -> str | None:
         if self.tokenizer is None:

@@ -1,9 +1,11 @@
 """The device side: the KV cache, one jitted step per shape bucket, and the block copies.
 
-    step(params, kv_cache, StepInput) -> (sampled ids, logprobs, finite, kv_cache)
+    step(params, kv_cache, StepInput) -> (greedy ids, logprobs, finite), logits, kv_cache, hidden
 
 compiled once per bucket (T tokens, S rows, P block-table columns) with the cache donated, so
-the new K/V are written in place. Which requests run only changes the values of the inputs:
+the new K/V are written in place. Three small jitted calls follow it only in the steps that need
+them: `resample_step` (a row samples), `process_step` (a row uses logits processors: penalties,
+biases, bans) and `prompt_logprobs_step` (a row prefills a prompt whose logprobs were asked for). Which requests run only changes the values of the inputs:
 after `warmup()` has compiled every bucket, requests joining and leaving never compile again
 (`num_compilations` counts every trace in the process).
 
@@ -35,7 +37,7 @@ from pagedjax.config import EngineConfig
 from pagedjax.model.llama import ModelConfig, compute_logits, forward
 from pagedjax.pallas.common import DeviceLimits, device_limits
 from pagedjax.logits_processors import apply_logits_processors
-from pagedjax.sampling import greedy, resample, sample_processed
+from pagedjax.sampling import greedy, logprob_and_rank, resample, sample_processed
 from pagedjax.scheduler.batch import SamplingInputs, StepInput, step_fields
 from pagedjax.scheduler.logits_inputs import LogitsInputs
 from pagedjax.scheduler.output import SchedulerOutput
@@ -86,9 +88,10 @@ def _step_fn(params, kv_cache, step: StepInput, *, cfg, attention, num_logprobs,
     finite = jnp.all(jnp.isfinite(logits), axis=-1)
     safe = jnp.where(finite[:, None], logits, 0.0)
     tokens, logprob, lse, top_ids, top_lps = greedy(safe, num_logprobs)
-    # the (masked) logits stay on the device for `resample_step`, which runs only when a row samples;
+    # the (masked) logits stay on the device for `resample_step` and `process_step`, which run only
+    # when a row samples or uses logits processors, and the hidden states for `prompt_logprobs_step`;
     # a greedy token's rank is 1 (the first of the highest logits)
-    return (tokens, logprob, jnp.ones_like(tokens), top_ids, top_lps, finite), (safe, lse), kv_cache
+    return (tokens, logprob, jnp.ones_like(tokens), top_ids, top_lps, finite), (safe, lse), kv_cache, hidden
 
 
 @jax.jit
@@ -114,6 +117,20 @@ def process_step(safe, lse, sampling: SamplingInputs, procs: LogitsInputs, *, ra
     logits = apply_logits_processors(safe, procs)
     return sample_processed(logits, safe, lse, s.temperature, s.top_k, s.top_p, s.min_p, s.seeds,
                             s.sample_positions, random=random)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "num_logprobs"))
+def prompt_logprobs_step(params, hidden, targets, *, cfg, num_logprobs):
+    """Log-probabilities of prompt tokens from a step's hidden states f32[T, H]: at each token,
+    the logprob and rank of targets[t] (the prompt token that follows it) and the top
+    `num_logprobs`. Runs only for steps that prefill a request asking for prompt_logprobs; one
+    compilation per token bucket T."""
+    _trace()
+    logits = compute_logits(params, cfg, hidden)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    logprob, rank = logprob_and_rank(logits, lse, targets)
+    top_lps, top_ids = jax.lax.top_k(logits - lse[:, None], num_logprobs)
+    return logprob, rank, top_ids.astype(jnp.int32), top_lps
 
 
 @functools.partial(jax.jit, static_argnames=("mesh",), donate_argnums=(0,))
@@ -178,6 +195,7 @@ class ModelRunner:
         # tests use it to make chosen rows' logits non-finite: (logits, StepInput) -> logits
         self.logits_hook = logits_hook
         self.compile_seconds = 0.0
+        self.last_hidden = None   # the last step's hidden states, for prompt logprobs
         self._step = make_step(model_config, backend=self.backend, num_logprobs=num_logprobs,
                                logits_hook=logits_hook, mesh=self.mesh)
         self._copy, self._gather, self._scatter = _copy_fn, _gather_fn, _scatter_fn
@@ -210,7 +228,7 @@ class ModelRunner:
         n_before = self.num_compilations
         t0 = time.perf_counter()
         inputs = self._inputs(host)
-        results, logits, self.kv_cache = self._step(self.params, self.kv_cache, inputs)
+        results, logits, self.kv_cache, self.last_hidden = self._step(self.params, self.kv_cache, inputs)
         random = bool(np.any(host.sampling.temperature > 0))
         if procs is not None:
             results = self._process(results, logits, inputs, self._inputs(procs), random)
@@ -237,6 +255,14 @@ class ModelRunner:
         tokens, logprob, rank, top_ids, top_lps, finite = results
         tokens, logprob, rank = process_step(*logits, inputs.sampling, procs, random=random)
         return tokens, logprob, rank, top_ids, top_lps, finite
+
+    def prompt_logprobs(self, targets: np.ndarray):
+        """Host arrays (logprob f32[T], rank int32[T], top ids [T, K], top logprobs [T, K]) of
+        targets int32[T] at every token of the last step (see `prompt_logprobs_step`)."""
+        return jax.device_get(self._prompt_logprobs(self.last_hidden, targets))
+
+    def _prompt_logprobs(self, hidden, targets):
+        return prompt_logprobs_step(self.params, hidden, targets, cfg=self.cfg, num_logprobs=max(self.num_logprobs, 1))
 
     # -- block moves -----------------------------------------------------------------------------
     @staticmethod
@@ -276,10 +302,13 @@ class ModelRunner:
         max_model_len: also compile the logits processors for each row bucket (their inputs hold
         max_model_len tokens per row)."""
         t0 = time.perf_counter()
-        sampled_rows = set()
+        sampled_rows, prompt_rows = set(), set()
         for T, S, P in buckets:
             inputs = self._inputs(StepInput.padding(T, S, P))
-            results, logits, self.kv_cache = self._step(self.params, self.kv_cache, inputs)
+            results, logits, self.kv_cache, hidden = self._step(self.params, self.kv_cache, inputs)
+            if T not in prompt_rows and max_model_len:  # prompt logprobs: once per token bucket
+                prompt_rows.add(T)
+                jax.block_until_ready(self._prompt_logprobs(hidden, np.zeros(T, np.int32)))
             if S not in sampled_rows:  # the sampler and the processors compile once per row bucket
                 sampled_rows.add(S)
                 jax.block_until_ready(self._resample(results, logits, inputs))

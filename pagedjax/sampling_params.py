@@ -228,3 +228,23 @@ def _logit_bias(bias) -> dict[int, float]:
     if bad:
         raise ValueError(f"logit_bias contains key(s) that cannot be converted to integer token IDs: {bad!r}")
     return out
+
+
+@dataclass
+class BeamSearchParams:
+    """LLM.beam_search's parameters (vLLM's names; pagedjax.beam_search runs it)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0            # only 0: beams extend by their most likely tokens
+    length_penalty: float = 1.0         # a beam's score: cumulative logprob / generated length ** it
+
+    def __post_init__(self):
+        if not isinstance(self.beam_width, int) or self.beam_width < 1:
+            raise ValueError(f"BeamSearchParams.beam_width must be an int >= 1, got {self.beam_width!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"BeamSearchParams.max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if self.temperature != 0.0:
+            raise ValueError(f"BeamSearchParams.temperature must be 0 (beam search here is deterministic), "
+                             f"got {self.temperature!r}")

@@ -34,6 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pagedjax.engine import LLMEngine
+from pagedjax.runner import make_step
+from pagedjax.scheduler.batch import StepInput
 from pagedjax.scheduler.logits_inputs import LogitsPacker
 from pagedjax.attention import Attention, AttentionMetadata, init_kv_cache, make_attention
 from pagedjax.model.llama import attn_out_and_mlp, compute_logits, forward, linear, rms_norm
@@ -144,10 +146,11 @@ PROCESSOR_VARIANTS = {
     "all, sampled": dict(temperature=0.8, top_p=0.9, repetition_penalty=1.1, frequency_penalty=0.3,
                          presence_penalty=0.2, logit_bias={7: 1.0, 9: -2.0}, allowed_token_ids=True, min_tokens=4096, stop_token_ids=[0]),
 }
-PROCESSOR_STEPS = 4 * 3 * len(PROCESSOR_VARIANTS)  # 4 steps per variant per round, 3 rounds
+PROCESSOR_ROUNDS, PROCESSOR_TIMED = 10, 4
+PROCESSOR_STEPS = PROCESSOR_ROUNDS * (PROCESSOR_TIMED + 1) * len(PROCESSOR_VARIANTS)
 
 
-def time_processors(eng, live, rounds=3, steps=3):
+def time_processors(eng, live, rounds=PROCESSOR_ROUNDS, steps=PROCESSOR_TIMED):
     """Median engine step (ms) with each of PROCESSOR_VARIANTS applied to every live request, the
     variants taken in turn, `steps` timed steps each after one untimed step, `rounds` times."""
     times = {name: [] for name in PROCESSOR_VARIANTS}
@@ -173,6 +176,31 @@ def time_processors(eng, live, rounds=3, steps=3):
         r.sampling_params = base[r.request_id]
         r.bad_words_token_ids = None
     return {name: float(np.median(t)) * 1e3 for name, t in times.items()}
+
+
+def time_hidden_output(eng, B: int, n: int):
+    """The device step as the engine runs it (returning the hidden states, for prompt logprobs)
+    against the same step without that output (XLA drops what is not returned), on the decode
+    bucket of B rows, timed in turn: (with, without) in ms."""
+    T = next(t for t in eng.config.token_buckets if t >= B)
+    S = eng.packer.rows_for(T)
+    P = max(eng.config.page_buckets)
+    full = make_step(eng.model_config, backend=eng.backend, num_logprobs=eng.max_logprobs)
+    lean = jax.jit(lambda p, kv, x: full(p, kv, x)[:3], donate_argnums=(1,))
+    kv = {"pool": init_kv_cache(eng.model_config, 64, eng.config.block_size, eng.dtype)}
+    inputs = StepInput.padding(T, S, P)
+    inputs.token_ids[:] = np.arange(T) % eng.model_config.vocab_size
+
+    def runner(fn):
+        def run():
+            out = fn(eng.runner.params, kv["pool"], inputs)
+            kv["pool"] = out[2]
+            jax.block_until_ready(out[0])
+        run()
+        return run
+
+    with_hidden, without = timed_in_turn([runner(full), runner(lean)], n)
+    return with_hidden * 1e3, without * 1e3
 
 
 def main() -> int:
@@ -222,6 +250,7 @@ def main() -> int:
         mm_step = matmul_only_step(eng.runner.params, eng.model_config, B)
         compiles = eng.num_compilations
         full, mm = timed_in_turn([eng.step, mm_step], args.steps)  # side by side: drift hits both
+        decode_compilations = eng.num_compilations - compiles
         live = [r for r in eng.scheduler.requests.values() if r.status == RequestStatus.RUNNING]
         if len(live) != B:
             raise RuntimeError(f"batch {B}: only {len(live)} requests still decoding after the timed steps")
@@ -245,9 +274,13 @@ def main() -> int:
             print("           logits processors, step ms: " + ", ".join(
                 f"{k} {v:.1f} ({v / base - 1:+.1%})" for k, v in procs.items())
                   + f"  [vs no check; {eng.num_compilations - before} compilations]")
+            hidden = time_hidden_output(eng, B, 3 * args.steps)
+            procs["device_step_ms"], procs["device_step_without_hidden_ms"] = hidden
+            print(f"           device step alone: {hidden[0]:.1f} ms, without the hidden-state output "
+                  f"{hidden[1]:.1f} ms ({hidden[0] / hidden[1] - 1:+.1%})")
         eng.abort_request([f"b{B}-{i}" for i in range(B)])
         row = {"processors_step_ms": procs,"batch": B, "prompt": args.context, "mean_context_after": context, "step_ms": full * 1e3, "matmul_only_ms": mm * 1e3,
-               "ratio": full / mm, "decode_tok_s": B / full, "new_compilations": eng.num_compilations - compiles,
+               "ratio": full / mm, "decode_tok_s": B / full, "new_compilations": decode_compilations,
                "forward_ms": fwd and fwd * 1e3, "forward_no_context_ms": fwd_noctx and fwd_noctx * 1e3}
         rows.append(row)
         print(f"batch {B:>3} (mean context {context:.0f}): step {full * 1e3:7.1f} ms  matmul-only {mm * 1e3:7.1f} ms  ratio {full / mm:4.2f}  "

@@ -17,6 +17,7 @@ class FakeRequest:
     block_hashes: list = field(default_factory=list)
     extra_key: object = None
     max_num_tokens: int | None = None
+    skip_prefix_cache: bool = False
 
 
 def prefill(mgr, req, use_cache=True):

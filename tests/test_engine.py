@@ -18,7 +18,7 @@ import pytest
 from engine_helpers import (SMALL, TINY_HF, assert_pool_clean, hf_beam, hf_greedy, hf_logprobs, ids, make_tiny_hf,
                             num_chunked_rows, recording_schedules)
 from helpers import require_native
-from pagedjax import LLM, SamplingParams
+from pagedjax import LLM, RequestOutputKind, SamplingParams
 from pagedjax import BeamSearchParams
 from pagedjax.testing import ByteTokenizer
 
@@ -144,12 +144,56 @@ def test_logprobs_match_hf(llm_ref, hf_tiny):
     assert plain.outputs[0].logprobs is None
 
 
+def check_prompt_logprobs(plp, prompt, ref, k):
+    """vLLM's prompt_logprobs against HF's log_softmax `ref` over the prompt."""
+    assert len(plp) == len(prompt) and plp[0] is None
+    for j in range(1, len(prompt)):
+        row, tok = ref[j - 1], prompt[j]
+        top = np.argsort(-row)[:k].tolist()
+        assert set(plp[j]) == set(top) | {tok}, j
+        for t, lp in plp[j].items():
+            assert abs(lp.logprob - row[t]) <= 1e-4 * max(1.0, abs(row[t])), (j, t)
+            assert lp.rank == 1 + int(np.sum(row > row[t]))
+
+
+def test_prompt_logprobs_match_hf(llm_ref, hf_tiny):
+    """prompt_logprobs=k: for every prompt token after the first, its logprob and rank and the top
+    k, as HF computes them; also when the prompt is prefilled in chunks (a 70-token prompt, a
+    32-token step budget), when it is entirely in the prefix cache, and for n > 1."""
+    hf, _ = hf_tiny
+    prompt = prompts_of(np.random.default_rng(102), [70])[0]
+    ref = hf_logprobs(hf, prompt)
+    eng = llm_ref.llm_engine
+    sp = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2)
+    first = llm_ref.generate([ids(prompt)], sp, use_tqdm=False)[0]
+    check_prompt_logprobs(first.prompt_logprobs, prompt, ref, 2)
+    # the same prompt again: its blocks are cached, but prompt logprobs need every token's logits
+    again = llm_ref.generate([ids(prompt)], sp.replace(prompt_logprobs=0, n=2, temperature=0.5, seed=1),
+                             use_tqdm=False)[0]
+    assert again.num_cached_tokens == 0
+    check_prompt_logprobs(again.prompt_logprobs, prompt, ref, 0)
+    assert first.outputs[0].logprobs is None  # prompt_logprobs alone asks for no sample logprobs
+    plain = llm_ref.generate([ids(prompt)], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
+    assert plain.prompt_logprobs is None and plain.num_cached_tokens > 0
+    one = llm_ref.generate([ids(prompt[:1])], sp, use_tqdm=False)[0]
+    assert one.prompt_logprobs == [None]
+    # streamed as deltas: the prompt logprobs come once
+    eng.add_request("delta", ids(prompt[:20]), sp.replace(output_kind=RequestOutputKind.DELTA))
+    stream = []
+    while eng.has_unfinished_requests():
+        stream += eng.step()
+    with_plp = [o for o in stream if o.prompt_logprobs is not None]
+    assert len(stream) == 3 and len(with_plp) == 1
+    check_prompt_logprobs(with_plp[0].prompt_logprobs, prompt[:20], ref, 2)
+    assert_pool_clean(eng)
+
+
 # -- zero recompiles -----------------------------------------------------------------------------------
 def test_no_recompilation_after_warmup(warm_llm):
     """2,000 steps of arrivals, finishes, chunked prefills, aborts, forks (n=2) and preemptions in a
     19-block pool, requests with random mixes of the logits processors (penalties, logit_bias,
-    allowed_token_ids, bad_words, min_tokens) among plain ones: the compile counter does not move
-    after warmup()."""
+    allowed_token_ids, bad_words, min_tokens) and prompt logprobs among plain ones: the compile
+    counter does not move after warmup()."""
     eng = warm_llm.llm_engine
     assert eng.warmup_seconds is not None
     n_compiled = eng.num_compilations  # the counter is process-wide: nothing may compile from here on
@@ -187,7 +231,9 @@ def test_no_recompilation_after_warmup(warm_llm):
                         n=2 if kind == 3 else 1, temperature=0.0 if kind == 0 else 0.9,
                         top_k=int(rng.integers(1, 50)) if kind == 1 else -1, top_p=0.8 if kind == 2 else 1.0,
                         min_p=0.05 if kind == 2 else 0.0, ignore_eos=bool(rng.random() < 0.5),
-                        max_tokens=max_tokens, logprobs=2 if kind == 1 else None, **processor_mix(rng, max_tokens))
+                        max_tokens=max_tokens, logprobs=2 if kind == 1 else None,
+                        prompt_logprobs=int(rng.integers(0, 3)) if rng.random() < 0.15 else None,
+                        **processor_mix(rng, max_tokens))
                     live.add(eng.add_request(None, ids(prompt), sp))
                     counts["arrived"] += 1
                 if live and rng.random() < 0.02:

@@ -121,8 +121,9 @@ class KVCacheManager:
         """The longest chain of cached full blocks that starts the request's tokens.
 
         Never the whole prompt: at most `num_tokens - 1` tokens are a hit, so the last token
-        is always computed and there are logits to sample from."""
-        if not self.enable_prefix_caching or request.request_id in self.req_to_blocks:
+        is always computed and there are logits to sample from. None for a request that skips the
+        cache (one that still needs its prompt logprobs)."""
+        if not self.enable_prefix_caching or request.request_id in self.req_to_blocks or request.skip_prefix_cache:
             return [], 0
         max_hit_tokens = len(request.all_token_ids) - 1
         hashes = self._update_hashes(request, max_hit_tokens)

@@ -65,6 +65,8 @@ class Request:
     num_computed_tokens: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list = field(default_factory=list)
+    # (logprob, top ids, top logprobs, rank) of prompt tokens 1, 2, ... (token 0 has none)
+    prompt_logprobs: list = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     block_hashes: list = field(default_factory=list)
     num_cached_tokens: int = -1       # prefix-cache hit at first admission (-1: not admitted yet)
@@ -103,6 +105,13 @@ class Request:
         """Prompt + max_tokens: the most KV this request can ever hold."""
         limit = self.max_tokens if self.max_tokens is not None else self.sampling_params.max_tokens
         return self.num_prompt_tokens + (limit if limit is not None else 0)
+
+    @property
+    def skip_prefix_cache(self) -> bool:
+        """Prompt logprobs need the logits at every prompt token: no prefix-cache hits until the
+        request (the first of its group: the one that prefills the prompt) has them all."""
+        return (self.sampling_params.prompt_logprobs is not None and self.sample_index == 0
+                and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
 
     @property
     def num_seats(self) -> int:
