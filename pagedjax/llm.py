@@ -120,24 +120,35 @@ class LLM:
         be a string or OpenAI content parts ([{"type": "text", "text": ...}, ...]), whose texts are
         joined by newlines. continue_final_message continues the last (assistant) message instead
         of starting a new one."""
-        if continue_final_message and add_generation_prompt:
-            raise ValueError("continue_final_message and add_generation_prompt cannot both be True: set "
-                             "add_generation_prompt=False to continue the final message")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = []
-        for conv in convs:
-            conv = [dict(m, content=_content_text(m.get("content"))) for m in conv]
-            prompts.append(self.tokenizer.apply_chat_template(
-                conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, tokenize=False, **(chat_template_kwargs or {})))
-        # the template writes the special tokens itself (as vLLM does, no second BOS)
-        return self.generate([{"prompt": p, "add_special_tokens": False} for p in prompts], sampling_params,
-                             use_tqdm=use_tqdm)
+        prompts = [render_chat(self.tokenizer, conv, chat_template=chat_template,
+                               chat_template_kwargs=chat_template_kwargs, add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message) for conv in convs]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def beam_search(self, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
         """Beam search as vLLM offers it (see pagedjax.beam_search): beams are requests that fork
         their parent's blocks copy-on-write, so every prefix the beams agree on is stored once."""
         return beam_search(self.llm_engine, prompts, params)
+
+
+def render_chat(tokenizer, messages, *, chat_template: str | None = None, chat_template_kwargs: dict | None = None,
+                add_generation_prompt: bool = True, continue_final_message: bool = False) -> dict:
+    """One conversation as the prompt the model's chat template (or `chat_template`) makes of it:
+    {"prompt": text, "add_special_tokens": False}, since the template writes the special tokens
+    itself (no second BOS)."""
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message and add_generation_prompt cannot both be True: set "
+                         "add_generation_prompt=False to continue the final message")
+    if tokenizer is None:
+        raise ValueError("chat needs a tokenizer with a chat template and the model has none")
+    if not isinstance(messages, (list, tuple)) or not all(isinstance(m, dict) for m in messages):
+        raise ValueError("messages must be a list of {'role': ..., 'content': ...} objects")
+    conv = [dict(m, content=_content_text(m.get("content"))) for m in messages]
+    text = tokenizer.apply_chat_template(conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                                         continue_final_message=continue_final_message, tokenize=False,
+                                         **(chat_template_kwargs or {}))
+    return {"prompt": text, "add_special_tokens": False}
 
 
 def _content_text(content) -> str:
