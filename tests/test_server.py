@@ -14,8 +14,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
-import subprocess
 import sys
 import time
 
@@ -25,41 +23,16 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedjax import LLM, SamplingParams
+from server_helpers import running_server
 
 MODEL = "tiny-random"
 ENGINE = dict(max_model_len=128, max_num_seqs=16, max_num_batched_tokens=64, block_size=8, seed=0)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
-    port = free_port()
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()]
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.Popen([sys.executable, "-m", "pagedjax.cli", "serve", MODEL, "--port", str(port), *flags,
-                             "--log-level", "warning"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            pytest.fail("the server did not start:\n" + proc.stdout.read()[-3000:])
-        time.sleep(0.3)
-    yield url, proc
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
+    with running_server(MODEL, ENGINE) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -251,6 +224,28 @@ def test_metrics_parse_with_vllm_names(server, client):
     assert families["vllm:generation_tokens"].samples[0].value >= 3
 
 
+def test_online_benchmark_client(server, tmp_path):
+    """scripts/bench_online.py against the server: JSONL lengths, Poisson arrivals, goodput, the saved
+    vLLM-shaped result."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_online", os.path.join(os.path.dirname(__file__), "..",
+                                                                              "scripts", "bench_online.py"))
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["bench_online"] = bench   # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    data = tmp_path / "lengths.jsonl"
+    data.write_text("\n".join(json.dumps(d) for d in [{"prompt_len": 5, "output_len": 7}, {"prompt": "hi", "output_len": 3}]
+                              * 4))
+    rc = bench.main(["--base-url", server[0], "--model", MODEL, "--dataset-path", str(data), "--vocab-size", "384",
+                     "--request-rate", "40", "--burstiness", "0.5", "--goodput", "ttft:60000", "--save-result",
+                     "--result-dir", str(tmp_path), "--result-filename", "r.json"])
+    assert rc == 0
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["completed"] == 8 and r["failed"] == 0 and r["total_output_tokens"] == 4 * (7 + 3)
+    assert r["request_goodput"] > 0 and r["mean_ttft_ms"] > 0 and r["p99_itl_ms"] is not None
+
+
 def test_sigterm_ends_the_server_cleanly(server):
     url, proc = server
     with httpx.stream("POST", url + "/v1/completions", json={"model": MODEL, "prompt": "never finished",
@@ -265,3 +260,4 @@ def test_sigterm_ends_the_server_cleanly(server):
     data = [json.loads(line[6:]) for line in rest if line.startswith("data: {")]
     assert len(data) < 120
     assert "engine loop stopped" in proc.stdout.read()   # the lifespan's shutdown ran
+

@@ -98,12 +98,12 @@ def build_app(llm: AsyncLLM, served_model_name: str) -> FastAPI:
         for i, out in enumerate(finals):
             usage_in += len(out.prompt_token_ids)
             for c in out.outputs:
-                text, lp = c.text, _completion_logprobs(c, opts)
+                text, echoed = c.text, None
                 if opts["echo"]:
                     text = _prompt_text(out, tokenizer) + text
-                    if lp is not None:
-                        lp = _merge_logprobs(_prompt_completion_logprobs(out, opts, tokenizer), lp)
-                choices.append({"index": i * params.n + c.index, "text": text, "logprobs": lp,
+                    echoed = _prompt_logprob_rows(out, out.prompt_logprobs, opts, tokenizer)
+                choices.append({"index": i * params.n + c.index, "text": text,
+                                "logprobs": _completion_logprobs(c, opts, echoed),
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         usage_out = sum(len(c.token_ids) for o in finals for c in o.outputs)
         return {**head, "choices": choices, "usage": protocol.usage(usage_in, usage_out)}
@@ -117,7 +117,7 @@ def build_app(llm: AsyncLLM, served_model_name: str) -> FastAPI:
         except (ValueError, TypeError) as e:
             raise APIError(str(e), "messages") from None
         rid, created = protocol.new_id("chatcmpl"), protocol.now()
-        gens = await _start(llm, [(rid, prompt, params)])
+        gens = await _start(llm, [(rid, prompt, params)], prompt_field="messages")
         head = {"id": rid, "object": "chat.completion.chunk" if opts["stream"] else "chat.completion",
                 "created": created, "model": served_model_name}
         if opts["stream"]:
@@ -133,8 +133,9 @@ def build_app(llm: AsyncLLM, served_model_name: str) -> FastAPI:
 
 
 # -- running requests -------------------------------------------------------------------------------
-async def _start(llm: AsyncLLM, requests) -> list[AsyncIterator[RequestOutput]]:
-    """Add every prompt of a call, or none: a prompt the engine refuses aborts the ones before it."""
+async def _start(llm: AsyncLLM, requests, prompt_field: str = "prompt") -> list[AsyncIterator[RequestOutput]]:
+    """Add every prompt of a call, or none: a prompt the engine refuses aborts the ones before it.
+    A refusal that names no other field is about the prompt (`prompt_field`: what the client sent)."""
     gens, accepted = [], []
     try:
         for rid, prompt, params in requests:
@@ -144,7 +145,7 @@ async def _start(llm: AsyncLLM, requests) -> list[AsyncIterator[RequestOutput]]:
         for rid in accepted:
             llm.abort(rid)
         raise APIError(str(e), protocol.param_of(str(e), protocol.COMPLETION_FIELDS | protocol.CHAT_FIELDS)
-                       or "prompt") from None
+                       or prompt_field) from None
     return gens
 
 
@@ -198,20 +199,26 @@ def _sse(chunks) -> StreamingResponse:
 
 
 async def _completion_chunks(gens, head, n, opts, tokenizer):
-    usage_in, usage_out, echoed, done = 0, 0, set(), set()
+    usage_in, usage_out, done = 0, 0, set()
+    sent: dict[tuple[int, int], int] = {}   # text each choice has had so far: its logprobs' text_offset goes on
+    prompt_logprobs: dict[int, list] = {}   # a DELTA request carries them in one output only; n samples share them
     async for i, out in _merged(gens):
+        if out.prompt_logprobs is not None:
+            prompt_logprobs[i] = out.prompt_logprobs
         for c in out.outputs:
             if (i, c.index) in done or not (c.text or c.token_ids or c.finish_reason):
                 continue   # a DELTA output repeats samples with nothing new, and finished ones
             if c.finish_reason:
                 done.add((i, c.index))
-            text = c.text
-            if opts["echo"] and (i, c.index) not in echoed:   # the prompt leads each choice's first chunk
-                echoed.add((i, c.index))
+            text, echoed = c.text, None
+            if opts["echo"] and (i, c.index) not in sent:   # the prompt (and its logprobs) lead a choice's first chunk
                 text = _prompt_text(out, tokenizer) + text
+                echoed = _prompt_logprob_rows(out, prompt_logprobs.get(i), opts, tokenizer)
+            offset = sent.get((i, c.index), 0)
+            sent[(i, c.index)] = offset + len(text)
             usage_out += len(c.token_ids)
             yield {**head, "choices": [{"index": i * n + c.index, "text": text,
-                                        "logprobs": _completion_logprobs(c, opts),
+                                        "logprobs": _completion_logprobs(c, opts, echoed, offset),
                                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
         if out.finished:
             usage_in += len(out.prompt_token_ids)
@@ -246,43 +253,45 @@ def _token_text(token_id: int, decoded: str | None, as_id: bool = False) -> str:
     return decoded if decoded is not None and not as_id else f"token_id:{token_id}"
 
 
-def _completion_logprobs(c: CompletionOutput, opts: dict) -> dict | None:
+def _logprob(x: float) -> float:
+    """-inf (a banned token among the top ones) as OpenAI's -9999.0: JSON has no infinity."""
+    return max(x, -9999.0)
+
+
+def _completion_logprobs(c: CompletionOutput, opts: dict, echoed: list | None = None, offset: int = 0) -> dict | None:
+    """A choice's tokens in the Completions shape, after the echoed prompt's rows (`echoed`) if
+    any; text offsets count on from `offset`, the text the choice's earlier chunks held. As in
+    vLLM (and OpenAI), top_logprobs has the top `logprobs` and the sampled token: logprobs=0
+    gives the sampled token alone, never null."""
     k, as_id = opts["logprobs"], opts["token_ids"]
     if k is None or c.logprobs is None:
         return None
-    tokens, token_lps, tops = [], [], []
+    rows = list(echoed or ())
     for t, d in zip(c.token_ids, c.logprobs):
-        tokens.append(_token_text(t, d[t].decoded_token, as_id))
-        token_lps.append(d[t].logprob)
-        tops.append({_token_text(tid, lp.decoded_token, as_id): lp.logprob for tid, lp in d.items()} if k else None)
-    offsets, pos = [], 0
-    for tok in tokens:
-        offsets.append(pos)
-        pos += len(tok)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+        rows.append((_token_text(t, d[t].decoded_token, as_id), _logprob(d[t].logprob),
+                     {_token_text(tid, lp.decoded_token, as_id): _logprob(lp.logprob) for tid, lp in d.items()}))
+    offsets = []
+    for tok, _, _ in rows:
+        offsets.append(offset)
+        offset += len(tok)
+    return {"tokens": [r[0] for r in rows], "token_logprobs": [r[1] for r in rows],
+            "top_logprobs": [r[2] for r in rows], "text_offset": offsets}
 
 
-def _prompt_completion_logprobs(out: RequestOutput, opts: dict, tokenizer) -> dict:
-    tokens, token_lps, tops = [], [], []
-    as_id = opts["token_ids"]
+def _prompt_logprob_rows(out: RequestOutput, prompt_logprobs: list | None, opts: dict, tokenizer) -> list | None:
+    """The echoed prompt's (token, logprob, top logprobs): None and None for the first token,
+    which nothing predicts. None when no logprobs were asked for."""
+    if opts["logprobs"] is None:
+        return None
+    rows, as_id = [], opts["token_ids"]
     for j, t in enumerate(out.prompt_token_ids):
-        d = out.prompt_logprobs[j] if out.prompt_logprobs else None
-        text = tokenizer.decode([t]) if tokenizer is not None else None
-        tokens.append(_token_text(t, text, as_id))
-        token_lps.append(None if d is None else d[t].logprob)
-        tops.append(None if d is None else {_token_text(tid, lp.decoded_token, as_id): lp.logprob
-                                            for tid, lp in d.items()})
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": []}
-
-
-def _merge_logprobs(a: dict, b: dict) -> dict:
-    tokens = a["tokens"] + b["tokens"]
-    offsets, pos = [], 0
-    for tok in tokens:
-        offsets.append(pos)
-        pos += len(tok)
-    return {"tokens": tokens, "token_logprobs": a["token_logprobs"] + b["token_logprobs"],
-            "top_logprobs": a["top_logprobs"] + b["top_logprobs"], "text_offset": offsets}
+        d = prompt_logprobs[j] if prompt_logprobs else None
+        if d is None:
+            rows.append((_token_text(t, tokenizer.decode([t]) if tokenizer is not None else None, as_id), None, None))
+        else:
+            rows.append((_token_text(t, d[t].decoded_token, as_id), _logprob(d[t].logprob),
+                         {_token_text(tid, lp.decoded_token, as_id): _logprob(lp.logprob) for tid, lp in d.items()}))
+    return rows
 
 
 def _chat_logprobs(c: CompletionOutput, opts: dict, tokenizer) -> dict | None:
@@ -292,7 +301,7 @@ def _chat_logprobs(c: CompletionOutput, opts: dict, tokenizer) -> dict | None:
     for t, d in zip(c.token_ids, c.logprobs):
         def entry(tid, lp):
             text = _token_text(tid, lp.decoded_token, opts["token_ids"])
-            return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8"))}
+            return {"token": text, "logprob": _logprob(lp.logprob), "bytes": list(text.encode("utf-8"))}
         top = sorted(((tid, lp) for tid, lp in d.items() if lp.rank is not None and lp.rank <= opts["top_logprobs"]),
                      key=lambda x: x[1].rank)
         content.append({**entry(t, d[t]), "top_logprobs": [entry(tid, lp) for tid, lp in top]})

@@ -34,8 +34,12 @@ logger = logging.getLogger(__name__)
 
 
 class AsyncLLM:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, history_limit: int = 1000):
         self.engine = engine
+        # a server runs for days: the engine's per-step records (kept whole for offline studies)
+        # are dropped every `history_limit` steps, once /metrics has counted them
+        self.history_limit = history_limit
+        engine.scheduler.metrics.record_occupancy = False
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, asyncio.Queue] = {}
@@ -147,6 +151,9 @@ class AsyncLLM:
                     self.on_step(eng, outputs, t1 - t0, t1 - mark)
                 except Exception:   # statistics must never stop the serving
                     logger.exception("on_step callback failed")
+            if len(eng.scheduler.metrics.steps) >= self.history_limit:
+                eng.scheduler.metrics.reset()
+                eng.step_timings.clear()
             mark = t1
             if outputs:
                 self._loop.call_soon_threadsafe(self._deliver, outputs)

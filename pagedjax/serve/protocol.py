@@ -67,9 +67,10 @@ def _unknown(body: dict, known: frozenset, where: str) -> None:
         logger.warning("%s: ignoring unknown fields %s", where, extra)
 
 
-def sampling_params(body: dict, *, max_tokens_field: str = "max_tokens", num_logprobs: int | None = None,
-                    stream: bool = False) -> SamplingParams:
-    """The request's SamplingParams (APIError naming the field if one is bad)."""
+def sampling_params(body: dict, *, max_tokens_field: str = "max_tokens", default_max_tokens: int | None = None,
+                    num_logprobs: int | None = None, stream: bool = False) -> SamplingParams:
+    """The request's SamplingParams (APIError naming the field if one is bad). `max_tokens` left out
+    is `default_max_tokens`; null is no limit but max_model_len."""
     kw: dict[str, Any] = {}
     numbers = (int, float)
     for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p", "repetition_penalty"):
@@ -81,7 +82,7 @@ def sampling_params(body: dict, *, max_tokens_field: str = "max_tokens", num_log
     for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"):
         if _expect(body, name, (bool,), "a boolean") is not None:
             kw[name] = body[name]
-    max_tokens = body.get(max_tokens_field, body.get("max_tokens"))
+    max_tokens = body.get(max_tokens_field, body.get("max_tokens", default_max_tokens))
     if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)):
         raise APIError(f"{max_tokens_field} must be an integer, got {max_tokens!r}", max_tokens_field)
     kw["max_tokens"] = max_tokens
@@ -158,7 +159,8 @@ def parse_completion(body: dict) -> tuple[list, SamplingParams, dict]:
     if logprobs is not None and logprobs < 0:
         raise APIError(f"logprobs must be non-negative, got {logprobs}", "logprobs")
     stream = bool(_expect(body, "stream", (bool,), "a boolean"))
-    params = sampling_params(body, num_logprobs=logprobs, stream=stream)
+    # OpenAI's (and vLLM's) completions default to 16 tokens; chat's to whatever max_model_len leaves
+    params = sampling_params(body, default_max_tokens=16, num_logprobs=logprobs, stream=stream)
     echo = bool(_expect(body, "echo", (bool,), "a boolean"))
     return completion_prompts(body), params, {"stream": stream, "echo": echo, "logprobs": logprobs,
                                               "include_usage": _include_usage(body, stream),
@@ -179,7 +181,7 @@ def parse_chat(body: dict) -> tuple[list, SamplingParams, dict]:
         raise APIError("response_format other than {'type': 'text'} is not supported", "response_format")
     want = _expect(body, "logprobs", (bool,), "a boolean")
     top = _expect(body, "top_logprobs", (int,), "an integer")
-    if top is not None and not want:
+    if top and not want:   # top_logprobs=0 asks for nothing, and is fine without logprobs (as in vLLM)
         raise APIError("top_logprobs needs logprobs set to true", "top_logprobs")
     if top is not None and top < 0:
         raise APIError(f"top_logprobs must be non-negative, got {top}", "top_logprobs")
