@@ -85,6 +85,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = 0
         self.warmup_seconds = None
+        self.weights_version = 0                # update_weights calls so far
+        self.last_weight_update_seconds = None
         self.compilations_at_warmup = None
         # per step: where the time went and which compiled bucket ran (the scheduler's
         # metrics.steps hold what ran: rows, tokens, KV use, preemptions, prefix hits)
@@ -291,6 +293,37 @@ class LLMEngine:
             for req, i, count in rows:
                 req.prompt_logprobs += [(float(logprob[j]), top_ids[j].tolist(), top_lps[j].tolist(), int(rank[j]))
                                         for j in range(i, i + count)]
+
+    # -- weights -----------------------------------------------------------------------------------
+    @property
+    def params(self):
+        """The weights the step runs with (a pytree of jax arrays; see `update_weights`)."""
+        return self.runner.params
+
+    def update_weights(self, params, *, abort: bool = False, wait: bool = False, copy: bool = True
+                       ) -> list[RequestOutput]:
+        """Run from now on with `params` (the loaded model's tree, shapes, dtypes and shardings;
+        checked leaf by leaf), without compiling anything: the step takes the weights as an
+        argument. The prefix cache is emptied, so no block computed with the old weights is ever
+        hit again. Unfinished requests would mix old and new weights: abort=True aborts them,
+        wait=True runs them to completion first (their outputs are returned); otherwise this
+        raises RuntimeError and changes nothing. copy: see ModelRunner.set_params (False: no
+        device copy, the caller's arrays are used as they are)."""
+        outputs: list[RequestOutput] = []
+        if self.has_unfinished_requests():
+            if abort:
+                self.abort_request(list(self.output_processor.groups))
+            elif wait:
+                while self.has_unfinished_requests():
+                    outputs += self.step()
+            else:
+                raise RuntimeError(f"update_weights: {self.get_num_unfinished_requests()} request(s) are unfinished; "
+                                   "pass abort=True to abort them or wait=True to finish them first")
+        self.last_weight_update_seconds = self.runner.set_params(params, copy=copy)
+        if not self.scheduler.kv.reset_prefix_cache():
+            raise RuntimeError("update_weights: the prefix cache could not be reset while blocks are held")
+        self.weights_version += 1
+        return outputs
 
     # -- warm-up and stats -----------------------------------------------------------------------
     def buckets(self) -> list[tuple[int, int, int]]:

@@ -37,6 +37,29 @@ class LLM:
     def warmup(self) -> float:
         return self.llm_engine.warmup()
 
+    @property
+    def params(self):
+        """The weights generation runs with (see `update_weights`)."""
+        return self.llm_engine.params
+
+    def update_weights(self, params, *, abort: bool = False, wait: bool = False, copy: bool = True):
+        """New weights of the same shapes, between steps, without compiling; the prefix cache is
+        emptied (see LLMEngine.update_weights)."""
+        return self.llm_engine.update_weights(params, abort=abort, wait=wait, copy=copy)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (vLLM's LLM.reset_prefix_cache); False while requests hold blocks."""
+        return self.llm_engine.scheduler.kv.reset_prefix_cache()
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
+        """vLLM's spelling of calls to the workers, for the RL weight hook: collective_rpc("load_weights",
+        args=(params,)) is update_weights(params). One engine here, so one result in the list."""
+        calls = {"load_weights": self.update_weights, "update_weights": self.update_weights,
+                 "reset_prefix_cache": self.reset_prefix_cache}
+        if method not in calls:
+            raise ValueError(f"collective_rpc: unknown method {method!r}; known: {sorted(calls)}")
+        return [calls[method](*args, **(kwargs or {}))]
+
     def _add(self, prompts, sampling_params, output_kind: RequestOutputKind) -> list[str]:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
                                                 and isinstance(prompts[0], int)):

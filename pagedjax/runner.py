@@ -203,6 +203,37 @@ class ModelRunner:
             self._copy = functools.partial(_copy_fn, mesh=self.mesh)
             self._scatter = functools.partial(_scatter_fn, mesh=self.mesh)
 
+    def set_params(self, params: Any, copy: bool = True) -> float:
+        """Replace the weights by `params` of the same tree structure, shapes and dtypes (and, for
+        jax arrays, shardings) as the loaded ones, refused with ValueError naming the first leaf
+        that differs. The step takes the weights as an argument, so nothing compiles. copy=True:
+        the engine keeps a copy (one device copy of the params), so the caller may donate or
+        overwrite its own arrays afterwards; copy=False: it holds the caller's device arrays as
+        they are (no copy; they must then stay alive and unchanged). Host arrays are placed with
+        the loaded model's shardings either way. Returns seconds spent."""
+        t0 = time.perf_counter()
+        old_leaves, old_def = jax.tree_util.tree_flatten_with_path(self.params)
+        new_leaves, new_def = jax.tree_util.tree_flatten_with_path(params)
+        if old_def != new_def:
+            old_paths = [jax.tree_util.keystr(p) for p, _ in old_leaves]
+            new_paths = [jax.tree_util.keystr(p) for p, _ in new_leaves]
+            first = next((f"{a} vs {b}" for a, b in zip(old_paths, new_paths) if a != b),
+                         f"{len(new_paths)} leaves vs the model's {len(old_paths)}")
+            raise ValueError(f"params: the tree differs from the loaded model's (first difference: params{first})")
+        for (path, old), (_, new) in zip(old_leaves, new_leaves):
+            name = "params" + jax.tree_util.keystr(path)
+            if tuple(new.shape) != tuple(old.shape):
+                raise ValueError(f"{name}: shape {tuple(new.shape)} is not the loaded model's {tuple(old.shape)}")
+            if jnp.dtype(new.dtype) != old.dtype:
+                raise ValueError(f"{name}: dtype {jnp.dtype(new.dtype).name} is not the loaded model's {old.dtype.name}")
+            if isinstance(new, jax.Array) and not new.sharding.is_equivalent_to(old.sharding, old.ndim):
+                raise ValueError(f"{name}: sharding {new.sharding} is not the loaded model's {old.sharding}; place it "
+                                 "with jax.device_put(leaf, <the model's leaf>.sharding)")
+        self.params = jax.tree.map(lambda new, old: jax.device_put(new, old.sharding, may_alias=False if copy else None),
+                                   params, self.params)
+        jax.block_until_ready(self.params)
+        return time.perf_counter() - t0
+
     def _inputs(self, step: StepInput):
         """Step inputs, replicated on the mesh (one block table serves every shard)."""
         if self.mesh is None:

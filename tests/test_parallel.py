@@ -123,6 +123,30 @@ def _block_moves(model_dir: str, tp: int) -> dict:
     return dict(ok=bool(ok), sharding_kept=all(c.sharding == sharding for c in runner.kv_cache))
 
 
+def _weights_update(model_dir: str, prompts, tp: int = 2) -> dict:
+    """update_weights on a sharded engine: new params computed from the sharded ones (they stay
+    sharded), nothing compiles, and greedy tokens equal one device's given the same params (passed
+    there as host arrays, placed by the engine)."""
+    import jax
+
+    from pagedjax import LLM, SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    sharded = LLM(model_dir, tensor_parallel_size=tp, attention_backend="reference", **ENGINE)
+    sharded.warmup()
+    n = sharded.llm_engine.num_compilations
+    before = {k: str(v.sharding) for k, v in sharded.params["layers"].items()}
+    new = jax.tree.map(lambda w: w * 1.5, sharded.params)
+    sharded.update_weights(new)
+    tokens = [o.outputs[0].token_ids for o in sharded.generate(inputs, greedy, use_tqdm=False)]
+    one = LLM(model_dir, attention_backend="reference", **ENGINE)
+    one.update_weights(jax.tree.map(np.asarray, new))
+    return dict(compilations=sharded.llm_engine.num_compilations - n,
+                sharding_kept=before == {k: str(v.sharding) for k, v in sharded.params["layers"].items()},
+                same_tokens=tokens == [o.outputs[0].token_ids for o in one.generate(inputs, greedy, use_tqdm=False)])
+
+
 def _errors(model_dir: str) -> dict:
     from pagedjax import LLM
 
@@ -145,6 +169,7 @@ def _worker(out_path: str) -> None:
     prompts = [rng.integers(3, TINY["vocab_size"], n).tolist() for n in PROMPT_LENGTHS]
     report = {b: {tp: _run_one(model_dir, b, tp, prompts) for tp in SIZES} for b in BACKENDS}
     report["moves"] = _block_moves(model_dir, 4)
+    report["weights"] = _weights_update(model_dir, prompts)
     report["errors"] = _errors(model_dir)
     Path(out_path).write_text(json.dumps(report))
 
@@ -204,6 +229,10 @@ def test_pool_and_weight_shards_per_device(tp_report, backend):
 
 def test_block_moves_on_a_sharded_pool(tp_report):
     assert tp_report["moves"] == {"ok": True, "sharding_kept": True}
+
+
+def test_weight_update_on_a_sharded_engine(tp_report):
+    assert tp_report["weights"] == {"compilations": 0, "sharding_kept": True, "same_tokens": True}
 
 
 def test_errors_on_eight_devices(tp_report):

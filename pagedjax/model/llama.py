@@ -315,6 +315,33 @@ def forward(params: Mapping[str, Any], cfg: ModelConfig, token_ids: jax.Array, p
     return x, (write_kv(k_cache, new_k, meta.slot_mapping), write_kv(v_cache, new_v, meta.slot_mapping))
 
 
+def causal_forward(params: Mapping[str, Any], cfg: ModelConfig, token_ids: jax.Array) -> jax.Array:
+    """Whole sequences at once, for training: token_ids int32[B, L], each row from position 0
+    (padding after a row's end changes nothing before it). The same layers as `forward` (`qkv`,
+    `attn_out_and_mlp`) with dense causal attention in place of the paged pool, so the engine and a
+    trainer share one model definition. Returns the residual stream [B, L, hidden_size] before the
+    final norm (`compute_logits` applies it); differentiable."""
+    B, L = token_ids.shape
+    dtype = params["embed_tokens"].dtype
+    cos, sin = rope_cos_sin(cfg, jnp.tile(jnp.arange(L, dtype=jnp.int32), B), dtype)
+    x = params["embed_tokens"][token_ids.reshape(-1)]
+    causal = jnp.tril(jnp.ones((L, L), jnp.bool_))
+    group = cfg.num_heads // cfg.num_kv_heads
+
+    def layer(x, lp):
+        q, k, v = qkv(cfg, lp, x, cos, sin)
+        q = q.reshape(B, L, cfg.num_kv_heads, group, cfg.head_dim).astype(jnp.float32)
+        k = k.reshape(B, L, cfg.num_kv_heads, cfg.head_dim).astype(jnp.float32)
+        v = v.reshape(B, L, cfg.num_kv_heads, cfg.head_dim).astype(jnp.float32)
+        scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k) * cfg.head_dim ** -0.5
+        probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
+        o = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v).reshape(B * L, cfg.num_heads, cfg.head_dim)
+        return attn_out_and_mlp(cfg, lp, x, o.astype(dtype)), None
+
+    x, _ = jax.lax.scan(layer, x, params["layers"])
+    return x.reshape(B, L, -1)
+
+
 def compute_logits(params: Mapping[str, Any], cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     """Final RMSNorm and output head: hidden `[S, hidden_size]` (from `forward`) -> float32 `[S, vocab]`."""
     h = rms_norm(hidden, params["norm"], cfg.rms_norm_eps)

@@ -392,6 +392,11 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block hash (no later request can hit a block computed before);
+        only possible while no request holds a block. Returns whether it was done."""
+        return self.pool.reset_prefix_cache()
+
     def usage(self) -> KVUsage:
         bs = self.block_size
         used = self.pool.num_used_blocks
