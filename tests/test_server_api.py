@@ -329,3 +329,21 @@ def test_unknown_routes_are_fastapis_404_and_405(server):
     assert httpx.get(server + "/v1/completions").status_code == 405
     assert httpx.delete(server + "/v1/chat/completions").status_code == 405
     still_serving(server)
+
+
+def test_prompt_logprobs_as_vllm_returns_them(server):
+    r = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": "abcd", "max_tokens": 2,
+                                                      "prompt_logprobs": 1})
+    assert r.status_code == 200, r.text
+    plp = r.json()["choices"][0]["prompt_logprobs"]
+    ids = TOK.encode("abcd")
+    assert len(plp) == len(ids) and plp[0] is None
+    for tok, entry in zip(ids[1:], plp[1:]):
+        assert str(tok) in entry and entry[str(tok)]["rank"] >= 1 and entry[str(tok)]["logprob"] <= 0
+        assert min(e["rank"] for e in entry.values()) == 1
+    chat = httpx.post(server + "/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, "prompt_logprobs": 0,
+                                                              "messages": [{"role": "user", "content": "hi"}]})
+    assert chat.status_code == 200 and chat.json()["prompt_logprobs"][0] is None
+    streamed = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": "x", "stream": True,
+                                                             "prompt_logprobs": 1})
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"

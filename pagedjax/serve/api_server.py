@@ -102,9 +102,12 @@ def build_app(llm: AsyncLLM, served_model_name: str) -> FastAPI:
                 if opts["echo"]:
                     text = _prompt_text(out, tokenizer) + text
                     echoed = _prompt_logprob_rows(out, out.prompt_logprobs, opts, tokenizer)
-                choices.append({"index": i * params.n + c.index, "text": text,
-                                "logprobs": _completion_logprobs(c, opts, echoed),
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                choice = {"index": i * params.n + c.index, "text": text,
+                          "logprobs": _completion_logprobs(c, opts, echoed),
+                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                if body.get("prompt_logprobs") is not None:
+                    choice["prompt_logprobs"] = _prompt_logprobs_json(out)
+                choices.append(choice)
         usage_out = sum(len(c.token_ids) for o in finals for c in o.outputs)
         return {**head, "choices": choices, "usage": protocol.usage(usage_in, usage_out)}
 
@@ -126,8 +129,11 @@ def build_app(llm: AsyncLLM, served_model_name: str) -> FastAPI:
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                     "logprobs": _chat_logprobs(c, opts, tokenizer), "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason} for c in out.outputs]
-        return {**head, "choices": choices,
-                "usage": protocol.usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))}
+        response = {**head, "choices": choices,
+                    "usage": protocol.usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))}
+        if body.get("prompt_logprobs") is not None:
+            response["prompt_logprobs"] = _prompt_logprobs_json(out)
+        return response
 
     return app
 
@@ -306,6 +312,16 @@ def _chat_logprobs(c: CompletionOutput, opts: dict, tokenizer) -> dict | None:
                      key=lambda x: x[1].rank)
         content.append({**entry(t, d[t]), "top_logprobs": [entry(tid, lp) for tid, lp in top]})
     return {"content": content}
+
+
+def _prompt_logprobs_json(out: RequestOutput) -> list | None:
+    """vLLM's prompt_logprobs in a response: per prompt token None (the first) or
+    {token id: {"logprob", "rank", "decoded_token"}}."""
+    if out.prompt_logprobs is None:
+        return None
+    return [None if d is None else {str(t): {"logprob": max(lp.logprob, -9999.0), "rank": lp.rank,
+                                             "decoded_token": lp.decoded_token} for t, lp in d.items()}
+            for d in out.prompt_logprobs]
 
 
 def _prompt_text(out: RequestOutput, tokenizer) -> str:

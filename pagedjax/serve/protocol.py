@@ -102,6 +102,8 @@ def sampling_params(body: dict, *, max_tokens_field: str = "max_tokens", default
         kw["logit_bias"] = bias
     if num_logprobs is not None:
         kw["logprobs"] = num_logprobs
+    if stream and kw.get("prompt_logprobs") is not None:
+        raise APIError("prompt_logprobs is not compatible with streaming", "prompt_logprobs")
     kw["output_kind"] = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
     try:
         return SamplingParams(**kw)
