@@ -246,6 +246,36 @@ def test_online_benchmark_client(server, tmp_path):
     assert r["request_goodput"] > 0 and r["mean_ttft_ms"] > 0 and r["p99_itl_ms"] is not None
 
 
+
+def test_engine_failure_mid_stream_is_reported_in_the_stream():
+    """In-process (FastAPI's TestClient): a step that raises ends the streams in flight with an
+    error event and [DONE]; the server keeps serving."""
+    from fastapi.testclient import TestClient
+
+    from pagedjax.engine import LLMEngine
+    from pagedjax.serve.api_server import build_app
+    from pagedjax.serve.async_llm import AsyncLLM
+
+    eng = LLMEngine(MODEL, **ENGINE)
+    real, calls = eng.step, {"n": 0}
+
+    def step():
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("device lost")
+        return real()
+
+    eng.step = step
+    with TestClient(build_app(AsyncLLM(eng), MODEL)) as client:
+        r = client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 20, "stream": True,
+                                                 "ignore_eos": True})
+        lines = [line for line in r.text.splitlines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        error = json.loads(lines[-2][6:])["error"]
+        assert "device lost" in error["message"] and error["code"] == 500
+        ok = client.post("/v1/completions", json={"model": MODEL, "prompt": "y", "max_tokens": 3})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+
 def test_sigterm_ends_the_server_cleanly(server):
     url, proc = server
     with httpx.stream("POST", url + "/v1/completions", json={"model": MODEL, "prompt": "never finished",

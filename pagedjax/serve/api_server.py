@@ -197,9 +197,13 @@ async def _merged(gens):
 
 def _sse(chunks) -> StreamingResponse:
     async def events():
-        async with contextlib.aclosing(chunks):
-            async for chunk in chunks:
-                yield f"data: {json.dumps(chunk)}\n\n"
+        try:
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    yield f"data: {json.dumps(chunk)}\n\n"
+        except Exception as e:   # the engine failed mid-stream: say so in the stream, as vLLM does
+            logger.exception("stream failed")
+            yield f"data: {json.dumps(APIError(str(e), status=500).body())}\n\n"
         yield "data: [DONE]\n\n"
     return StreamingResponse(events(), media_type="text/event-stream")
 
