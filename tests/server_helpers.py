@@ -48,3 +48,13 @@ def running_server(model: str, engine: dict):
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(30)
+
+
+def eventually(condition, polls: int = 400, pause: float = 0.05) -> bool:
+    """Whether `condition()` holds within `polls` polls (the server applies aborts on its own
+    thread, so its state is only eventually what the client caused)."""
+    for _ in range(polls):
+        if condition():
+            return True
+        time.sleep(pause)
+    return condition()

@@ -12,7 +12,6 @@ import hashlib
 import json
 import logging
 import shutil
-import time
 
 import jax
 import jax.numpy as jnp
@@ -127,11 +126,9 @@ def test_cache_from_download_dir_and_hf_home(hf_home, tmp_path, monkeypatch):
 
 
 def test_missing_hub_id_offline_says_where_it_looked_and_what_else_to_pass(cache):
-    t0 = time.perf_counter()
     with pytest.raises(FileNotFoundError) as info:
         LLM("acme/no-such-model", **KW)
     msg = str(info.value)
-    assert time.perf_counter() - t0 < 5
     assert "'acme/no-such-model'" in msg and f"local Hugging Face cache ({cache})" in msg, msg
     assert "could not be downloaded (HF_HUB_OFFLINE is set" in msg, msg
     assert all(name in msg for name in BUILTIN_MODELS), msg
@@ -146,16 +143,15 @@ def test_a_name_that_is_neither_path_nor_hub_id_lists_the_builtins(cache, tmp_pa
         assert str(info.value).endswith(f"model path does not exist: {name}")
 
 
-def test_unreachable_hub_fails_fast_and_falls_back_to_the_cache(cache, monkeypatch):
+def test_unreachable_hub_says_so_and_falls_back_to_the_cache(cache, monkeypatch):
     from huggingface_hub import constants
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")   # nothing listens on the discard port
-    t0 = time.perf_counter()
     with pytest.raises(FileNotFoundError, match=r"could not be downloaded \(ConnectError: ") as info:
         resolve_model("acme/no-such-model")
-    assert time.perf_counter() - t0 < 5 and "Built-in models: smollm2-135m" in str(info.value)
+    assert "Built-in models: smollm2-135m" in str(info.value)
     assert resolve_model(REPO) == str(snapshot(cache, MAIN))   # as huggingface_hub does offline: the cache
 
 

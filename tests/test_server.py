@@ -15,7 +15,6 @@ import json
 import os
 import signal
 import sys
-import time
 
 import httpx
 import openai
@@ -23,7 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedjax import LLM, SamplingParams
-from server_helpers import running_server
+from server_helpers import eventually, running_server
 
 MODEL = "tiny-random"
 ENGINE = dict(max_model_len=128, max_num_seqs=16, max_num_batched_tokens=64, block_size=8, seed=0)
@@ -200,13 +199,12 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
         assert any(line.startswith("data: {") for line in got)
         busy = metrics(url)
     assert busy["vllm:num_requests_running"] == 1 and busy["pagedjax:kv_free_blocks"] < idle["pagedjax:kv_free_blocks"]
-    deadline = time.time() + 10
-    while True:
+    def back_to_idle():
         m = metrics(url)
-        if m["vllm:num_requests_running"] == 0 and m["pagedjax:kv_free_blocks"] == idle["pagedjax:kv_free_blocks"]:
-            break
-        assert time.time() < deadline, m
-        time.sleep(0.05)
+        return m["vllm:num_requests_running"] == 0 and m["pagedjax:kv_free_blocks"] == idle["pagedjax:kv_free_blocks"]
+
+    assert eventually(back_to_idle), metrics(url)
+    m = metrics(url)
     assert m["vllm:request_success_total"] >= idle.get("vllm:request_success_total", 0)
 
 
