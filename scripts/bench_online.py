@@ -36,14 +36,13 @@ import json
 import math
 import os
 import random
-import signal
-import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from pagedjax.serve.launch import start_server, stop_server
 
 SYSTEM_FLAGS = {"continuous": [], "static": ["--scheduling", "static"], "contiguous": ["--allocation", "contiguous"]}
 
@@ -200,12 +199,6 @@ def print_metrics(title: str, m: dict) -> None:
 
 
 # -- servers the sweep starts -----------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def engine_flags(args) -> list[str]:
     from pagedjax.benchmarks.serving import engine_kwargs, max_request_len
 
@@ -218,34 +211,12 @@ def engine_flags(args) -> list[str]:
     return flags + ["--dtype", args.dtype]
 
 
-def start_server(model: str, flags: list[str], log_path: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "pagedjax.cli", "serve", model, "--port", str(port), *flags,
-                             "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    import urllib.request
-
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited (code {proc.returncode}); see {log_path}")
+def start_logged_server(model: str, flags: list[str], log_path: str) -> tuple[subprocess.Popen, str]:
+    with open(log_path, "w") as log:   # the child keeps its own copy of the file descriptor
         try:
-            with urllib.request.urlopen(url + "/health", timeout=1) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            time.sleep(0.5)
-    proc.kill()
-    raise SystemExit(f"the server did not start in 600 s; see {log_path}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+            return start_server(model, flags, stdout=log)
+        except RuntimeError as e:
+            raise SystemExit(f"{e}; see {log_path}") from None
 
 
 def scrape(url: str) -> dict:
@@ -273,7 +244,7 @@ def sweep(args) -> dict:
     os.makedirs(args.result_dir, exist_ok=True)
     table: dict[str, list[dict]] = {}
     for system in args.systems.split(","):
-        proc, url = start_server(args.model, flags + SYSTEM_FLAGS[system],
+        proc, url = start_logged_server(args.model, flags + SYSTEM_FLAGS[system],
                                  os.path.join(args.result_dir, f"online_{system}_server.log"))
         try:
             model = args.served_model or args.model
@@ -340,7 +311,7 @@ def compare_offline(args) -> dict:
     kw = engine_kwargs(p.parse_args(flags))
     llm = LLM(args.model, **kw)
     llm.warmup()
-    proc, url = start_server(args.model, flags, os.path.join(args.result_dir, "online_compare_server.log"))
+    proc, url = start_logged_server(args.model, flags, os.path.join(args.result_dir, "online_compare_server.log"))
     rows = []
     try:
         model = args.served_model or args.model

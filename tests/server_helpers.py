@@ -1,53 +1,29 @@
-"""The server tests' shared piece: `pagedjax serve` in a subprocess on a free port."""
+"""The server tests' shared piece: `pagedjax serve` in a subprocess (pagedjax.serve.launch)."""
 
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
-import socket
 import subprocess
-import sys
 import time
 
-import httpx
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from pagedjax.serve.launch import start_server, stop_server
 
 
 @contextlib.contextmanager
 def running_server(model: str, engine: dict):
-    """Start `pagedjax serve model` with `engine` as flags, wait for /health; yields (url, process)
-    and ends it with SIGTERM."""
-    port = free_port()
+    """Start `pagedjax serve model` with `engine` as flags on the CPU; yields (url, process) and
+    ends it with SIGTERM. The process's output is a pipe the tests may read."""
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in engine.items()]
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.Popen([sys.executable, "-m", "pagedjax.cli", "serve", model, "--port", str(port), *flags,
-                             "--log-level", "warning"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            pytest.fail("the server did not start:\n" + proc.stdout.read()[-3000:])
-        time.sleep(0.3)
+    try:
+        proc, url = start_server(model, flags, stdout=subprocess.PIPE, env={"JAX_PLATFORMS": "cpu"}, timeout=180)
+    except RuntimeError as e:
+        pytest.fail(f"the server did not start: {e}")
     try:
         yield url, proc
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(30)
+        stop_server(proc)
 
 
 def eventually(condition, polls: int = 400, pause: float = 0.05) -> bool:
