@@ -74,11 +74,12 @@ class OutputProcessor:
             touched[group.request_id] = group
         outs = []
         for gid, group in touched.items():
-            out = self._output(group)
-            if out.finished:
+            finished = self._finished(group)
+            if not finished and group.params.output_kind == RequestOutputKind.FINAL_ONLY:
+                continue   # nothing to build until the end (building it every step costs O(tokens))
+            outs.append(self._output(group, finished))
+            if finished:
                 del self.groups[gid]
-            if out.finished or group.params.output_kind != RequestOutputKind.FINAL_ONLY:
-                outs.append(out)
         return outs
 
     def _take_tokens(self, group: _Group, req: Request, finish) -> None:
@@ -104,14 +105,19 @@ class OutputProcessor:
             if not req.is_finished:
                 finish(req.request_id)
 
-    def _output(self, group: _Group) -> RequestOutput:
-        sp = group.params
-        n = sp.n
-        members = [group.members.get(i) for i in range(n)]
-        finished = all(m is not None and m.is_finished for m in members)
+    @staticmethod
+    def _finished(group: _Group) -> bool:
+        members = [group.members.get(i) for i in range(group.params.n)]
+        if all(m is not None and m.is_finished for m in members):
+            return True
         parent = members[0]
-        if parent.is_finished and parent.children == [] and n > 1 and not parent.forked:
-            finished = True  # ended before its prompt completed (abort, error): no samples were forked
+        # an n > 1 parent that ended before its prompt completed (abort, error) forked no samples
+        return parent.is_finished and parent.children == [] and group.params.n > 1 and not parent.forked
+
+    def _output(self, group: _Group, finished: bool) -> RequestOutput:
+        sp = group.params
+        members = [group.members.get(i) for i in range(sp.n)]
+        parent = members[0]
         delta = sp.output_kind == RequestOutputKind.DELTA
         outputs = []
         for i, m in enumerate(members):
@@ -121,10 +127,12 @@ class OutputProcessor:
             text = s.text
             if not m.is_finished and not s.stopped and sp.output_text_buffer_length:
                 text = text[:max(0, len(text) - sp.output_text_buffer_length)]
-            ids, lps = list(m.output_token_ids), self._logprobs(m, sp)
+            # DELTA: only what is new since the last output is copied and turned into Logprobs
+            ids = m.output_token_ids[s.sent_tokens:] if delta else list(m.output_token_ids)
+            lps = self._logprobs(m, sp, s.sent_logprobs if delta else 0)
             cum = float(sum(x[0] for x in m.output_logprobs)) if sp.logprobs is not None and m.output_logprobs else None
             if delta:
-                ids, text, lps = ids[s.sent_tokens:], text[s.sent_text:], lps[s.sent_logprobs:] if lps else lps
+                text = text[s.sent_text:]
                 s.sent_tokens += len(ids)
                 s.sent_text += len(text)
                 s.sent_logprobs += len(lps or ())
@@ -140,14 +148,14 @@ class OutputProcessor:
                              finished, _stats(parent, members), max(parent.num_cached_tokens, 0),
                              [m.record for m in members if m is not None and m.record is not None] if finished else [])
 
-    def _logprobs(self, m: Request, sp: SamplingParams):
-        """Per generated token {token id: Logprob}: the top `logprobs` (ranks 1..k) and the
-        sampled token with its own rank."""
+    def _logprobs(self, m: Request, sp: SamplingParams, start: int = 0):
+        """Per generated token from `start` on, {token id: Logprob}: the top `logprobs` (ranks
+        1..k) and the sampled token with its own rank."""
         if sp.logprobs is None:
             return None
         decode = self._decode if sp.detokenize else (lambda t: None)
         return [self._logprob_dict(tok, entry, sp.logprobs, decode)
-                for tok, entry in zip(m.output_token_ids, m.output_logprobs)]
+                for tok, entry in zip(m.output_token_ids[start:], m.output_logprobs[start:])]
 
     def _prompt_logprobs(self, group: _Group, parent: Request):
         """vLLM's prompt_logprobs once the prompt's are all recorded: None for the first prompt
