@@ -31,6 +31,8 @@ class BeamSearchOutput:
     sequences: list[BeamSequence]
     physical_blocks_peak: int = 0      # blocks the beams held at once (shared blocks counted once)
     cloned_blocks_peak: int = 0        # what cloning every beam's whole cache would have taken
+    physical_block_steps: int = 0      # the same two summed over the search's tokens: their ratio
+    cloned_block_steps: int = 0        # is the memory sharing saves on average
 
 
 def beam_search(engine, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
@@ -54,7 +56,7 @@ def _search(eng, prompt, params: BeamSearchParams) -> BeamSearchOutput:
     prompt_len = sched.requests[root].num_prompt_tokens
     beams: dict[str, float] = {root: 0.0}     # live request id -> cumulative logprob
     finished: list[BeamSequence] = []
-    peak_phys = peak_clone = 0
+    peak_phys = peak_clone = sum_phys = sum_clone = 0
     forks = 0
     try:
         for n in range(1, params.max_tokens + 1):
@@ -86,8 +88,10 @@ def _search(eng, prompt, params: BeamSearchParams) -> BeamSearchOutput:
             for rid in live:
                 if rid not in new_beams:
                     sched.abort_request(rid)
-            peak_phys = max(peak_phys, sched.kv.usage().used_blocks)
-            peak_clone = max(peak_clone, sum(len(sched.kv.get_block_table(r)) for r in new_beams))
+            phys = sched.kv.usage().used_blocks
+            clone = sum(len(sched.kv.get_block_table(r)) for r in new_beams)
+            peak_phys, peak_clone = max(peak_phys, phys), max(peak_clone, clone)
+            sum_phys, sum_clone = sum_phys + phys, sum_clone + clone
             beams = new_beams
             if not beams:
                 break
@@ -106,7 +110,7 @@ def _search(eng, prompt, params: BeamSearchParams) -> BeamSearchOutput:
     for b in finished:
         if eng.tokenizer is not None:  # a HF directory without tokenizer files: token ids only
             b.text = eng.tokenizer.decode(b.tokens)
-    return BeamSearchOutput(finished[:k], peak_phys, peak_clone)
+    return BeamSearchOutput(finished[:k], peak_phys, peak_clone, sum_phys, sum_clone)
 
 
 def _beam_score(b: BeamSequence, prompt_len: int, length_penalty: float) -> float:

@@ -30,7 +30,7 @@ class EngineConfig:
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     scheduling: Literal["continuous", "static"] = "continuous"
     allocation: Literal["paged", "contiguous"] = "paged"
-    contiguous_reserve: Literal["max_model_len", "request"] = "max_model_len"
+    contiguous_reserve: Literal["max", "pow2", "oracle", "max_model_len", "request"] = "max"   # Orca's policies
     attention_backend: Literal["auto", "pallas", "reference", "native", "jnp"] = "auto"   # see pagedjax.attention
     token_buckets: tuple[int, ...] | None = None   # padded sizes of a step's token count T
     seq_buckets: tuple[int, ...] | None = None     # padded sizes of a step's sequence count S
@@ -59,8 +59,8 @@ class EngineConfig:
         need(self.preemption_mode in ("recompute", "swap"), "preemption_mode", "'recompute' or 'swap'")
         need(self.scheduling in ("continuous", "static"), "scheduling", "'continuous' or 'static'")
         need(self.allocation in ("paged", "contiguous"), "allocation", "'paged' or 'contiguous'")
-        need(self.contiguous_reserve in ("max_model_len", "request"), "contiguous_reserve",
-             "'max_model_len' or 'request'")
+        need(self.contiguous_reserve in ("max", "pow2", "oracle", "max_model_len", "request"), "contiguous_reserve",
+             "'max', 'pow2' or 'oracle' ('max_model_len' and 'request' are the older names of 'max' and 'oracle')")
         need(self.attention_backend in ("auto", "pallas", "reference", "native", "jnp"), "attention_backend",
              "'auto', 'pallas', 'reference', 'native' or 'jnp'")
         need(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1, "tensor_parallel_size",

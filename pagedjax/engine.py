@@ -22,7 +22,7 @@ import numpy as np
 from pagedjax.attention import resolve_backend
 from pagedjax.config import EngineConfig
 from pagedjax.engine_args import EngineArgs, split_engine_kwargs
-from pagedjax.metrics import StepTiming
+from pagedjax.metrics import StepTiming, step_shape
 from pagedjax.model.hub import LoadedModel, prepare_model
 from pagedjax.output_processor import OutputProcessor
 from pagedjax.outputs import RequestOutput
@@ -248,7 +248,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         out = sched.schedule()
         if out.is_empty:
-            self.step_timings.append(StepTiming(out.step, None, time.perf_counter() - t0))
+            self.step_timings.append(StepTiming(out.step, None, time.perf_counter() - t0, start=t0))
             return []
         t1 = time.perf_counter()
         step = self.packer.pack(out, sched.kv)
@@ -271,7 +271,7 @@ class LLMEngine:
         outputs = self.output_processor.process(
             changed, lambda rid: sched.finish_request(rid, RequestStatus.FINISHED_STOPPED))
         self.step_timings.append(StepTiming(out.step, step.bucket, t1 - t0, t2 - t1, t3 - t2, t4 - t3,
-                                            time.perf_counter() - t4))
+                                            time.perf_counter() - t4, step_shape(out, step, self.config.block_size), t0))
         return outputs
 
     def _record_prompt_logprobs(self, out, T: int) -> None:

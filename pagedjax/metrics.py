@@ -59,6 +59,30 @@ class StepTiming:
     execute: float = 0.0
     update: float = 0.0
     outputs: float = 0.0
+    shape: dict | None = None   # what the step computed (step_shape), the inputs of a step-cost model
+    start: float = 0.0          # perf_counter when the step began
+
+    @property
+    def total(self) -> float:
+        return self.schedule + self.pack + self.execute + self.update + self.outputs
+
+
+def step_shape(out, step, block_size: int) -> dict:
+    """What one step computed, as the terms of a step-cost model: the compiled bucket's tokens,
+    rows and block-table cells (T, S, S * P), the real tokens and rows, the context tokens and
+    pages attention reads, and the blocks swapped or copied around it."""
+    n = int(step.attention.num_seqs)
+    return shape_of(out, step.bucket, step.num_tokens, step.attention.context_lens[:n], block_size)
+
+
+def shape_of(out, bucket: tuple[int, int, int], num_tokens: int, context_lens, block_size: int) -> dict:
+    """step_shape from its parts: the bucket (T, S, P), the real tokens and each real row's context."""
+    T, S, P = bucket
+    ctx = [int(c) for c in context_lens]
+    return {"tokens": T, "rows": S, "table": S * P, "num_tokens": int(num_tokens), "num_rows": len(ctx),
+            "context": sum(ctx), "pages": sum(-(-c // block_size) for c in ctx),
+            "swap_blocks": len(out.swap_in) + len(out.swap_out),
+            "copy_blocks": len(out.block_copies) + len(out.block_copies_after)}
 
 
 @dataclass

@@ -327,6 +327,41 @@ def test_contiguous_request_reservation_and_fork_copies():
     assert set(mgr.get_block_table("r")).isdisjoint(mgr.get_block_table("c"))
 
 
+@pytest.mark.parametrize("policy, prompt, max_tokens, blocks", [
+    ("max", 5, 10, 16), ("max_model_len", 5, 10, 16),   # max_model_len 64 / BS 4
+    ("oracle", 5, 10, 4), ("request", 5, 10, 4),         # 15 tokens
+    ("pow2", 5, 10, 6), ("pow2", 5, 16, 6), ("pow2", 5, 17, 10),  # 5 + 16 = 21, 5 + 32 = 37 tokens
+    ("pow2", 30, 33, 16),                                  # 30 + 64 capped at max_model_len
+])
+def test_orca_reservation_policies(policy, prompt, max_tokens, blocks):
+    mgr = mk(num_blocks=40, allocation="contiguous", contiguous_reserve=policy)
+    r = FakeRequest("r", list(range(prompt)), max_num_tokens=prompt + max_tokens)
+    r.num_prompt_tokens = prompt
+    prefill(mgr, r)
+    assert len(mgr.get_block_table("r")) == blocks
+    u = mgr.usage()
+    # real + reserved for the request's later tokens + never-written reservation = what it holds
+    assert u.real_tokens == prompt and u.reserved_for_future == max_tokens
+    assert u.real_tokens + u.reserved_for_future + u.over_reserved == blocks * BS == u.allocated_slots
+
+
+def test_contiguous_reservations_are_runs_and_fragment_externally():
+    mgr = mk(num_blocks=13, allocation="contiguous", contiguous_reserve="oracle")  # 12 usable blocks
+    reqs = [FakeRequest(f"r{i}", list(range(8)), max_num_tokens=12) for i in range(4)]  # 3 blocks each
+    for r in reqs:
+        prefill(mgr, r)
+    tables = [mgr.get_block_table(r.request_id) for r in reqs]
+    assert all(t == list(range(t[0], t[0] + 3)) for t in tables)
+    mgr.free(reqs[0])
+    mgr.free(reqs[2])  # 6 blocks free, in two runs of 3
+    assert mgr.num_free_blocks() == 6 and mgr.pool.free_runs() == [(tables[0][0], 3), (tables[2][0], 3)]
+    big = FakeRequest("big", list(range(8)), max_num_tokens=16)  # 4 blocks: fits the count, not a run
+    assert not mgr.can_reserve([4]) and prefill(mgr, big) is None
+    assert mgr.usage().used_blocks == 6  # nothing taken by the refusal
+    small = FakeRequest("small", list(range(8)), max_num_tokens=12)
+    assert prefill(mgr, small) is not None and mgr.get_block_table("small") == tables[0]
+
+
 def test_paged_accounting():
     mgr = mk()
     prefill(mgr, FakeRequest("a", list(range(5))))

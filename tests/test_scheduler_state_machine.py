@@ -65,6 +65,15 @@ REQUEST = st.tuples(
 RARE = {"preempted", "swapped", "prefill", "sample", "group"}
 
 
+def reservation_span(cfg, prompt_len: int, max_tokens: int) -> int:
+    """Tokens one contiguous reservation covers, by Orca's policy names."""
+    if cfg.contiguous_reserve in ("max", "max_model_len"):
+        return cfg.max_model_len
+    if cfg.contiguous_reserve == "pow2":
+        return max(prompt_len + max_tokens, min(cfg.max_model_len, prompt_len + (1 << (max(max_tokens, 1) - 1).bit_length())))
+    return prompt_len + max_tokens
+
+
 class SchedulerMachine(RuleBasedStateMachine):
     # each sampled_from lists the pressing choices first (small pools, several seats, mid-sized
     # budgets): hypothesis shrinks towards them, so a minimal failing example stays under pressure
@@ -74,7 +83,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 mode=st.sampled_from(["swap", "recompute"]), scheduling=st.sampled_from(["continuous", "static"]),
                 caching=st.booleans(), chunked=st.booleans(), host=st.one_of(st.none(), st.integers(0, 30)),
                 allocation=st.sampled_from(["paged", "paged", "paged", "contiguous"]),
-                reserve=st.sampled_from(["max_model_len", "request"]),
+                reserve=st.sampled_from(["max", "oracle", "pow2", "max_model_len", "request"]),
                 initial=st.lists(REQUEST, min_size=2, max_size=8))
     def setup(self, block_size, max_model_len, pool, max_num_seqs, budget, mode, scheduling, caching,
               chunked, host, allocation, reserve, initial):
@@ -116,8 +125,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if not prompt or len(prompt) + max_tokens > cfg.max_model_len or n > cfg.max_num_seqs:
             return True
         if cfg.allocation == "contiguous":
-            span = cfg.max_model_len if cfg.contiguous_reserve == "max_model_len" else len(prompt) + max_tokens
-            need = cdiv(span, cfg.block_size) * n
+            need = cdiv(reservation_span(cfg, len(prompt), max_tokens), cfg.block_size) * n
         else:
             need = cdiv(len(prompt) + max_tokens, cfg.block_size)
         return need > cfg.num_blocks - 1
@@ -215,12 +223,25 @@ class SchedulerMachine(RuleBasedStateMachine):
         total = num_hit + min(num_new, budget_left)
         bs = cfg.block_size
         if kv.contiguous:
-            reserve = cdiv(cfg.max_model_len if cfg.contiguous_reserve == "max_model_len"
-                           else head.max_num_tokens, bs)
-            needed = reserve * (head.sampling_params.n if head.needs_fork and total >= head.num_prompt_tokens else 1)
-        else:
-            # hits on free cached blocks take them out of the free queue too
-            needed = cdiv(total, bs) - len(hits) + sum(kv.pool.ref_cnt[b] == 0 for b in hits)
+            reserve = cdiv(reservation_span(cfg, head.num_prompt_tokens, head.max_tokens), bs)
+            runs = [reserve] * (head.sampling_params.n if head.needs_fork and total >= head.num_prompt_tokens else 1)
+            # each reservation is a run of consecutive free block ids, placed first fit
+            free = sorted(b for b in range(1, kv.pool.num_blocks) if kv.pool.ref_cnt[b] == 0)
+            holes: list[int] = []
+            for i, b in enumerate(free):
+                if i and free[i - 1] == b - 1:
+                    holes[-1] += 1
+                else:
+                    holes.append(1)
+            for n in runs:
+                fit = next((i for i, h in enumerate(holes) if h >= n), None)
+                if fit is None:
+                    return
+                holes[fit] -= n
+            raise AssertionError(f"FCFS: waiting head {head.request_id} needed runs of {runs} blocks, free runs "
+                                 f"{holes} after placing them, and was not admitted")
+        # hits on free cached blocks take them out of the free queue too
+        needed = cdiv(total, bs) - len(hits) + sum(kv.pool.ref_cnt[b] == 0 for b in hits)
         assert needed > kv.pool.num_free_blocks, (
             f"FCFS: waiting head {head.request_id} needed {needed} blocks, {kv.pool.num_free_blocks} "
             f"free, {budget_left} budget left, and was not admitted")

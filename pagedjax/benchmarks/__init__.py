@@ -8,5 +8,10 @@ engine step). Nothing here swaps an engine's parts or methods.
                      [bench] extra, which `make run` installs)
     soak.py          thousands of requests through the scheduler or the engine: nothing lost
     memory_study.py  the fragmentation experiment through the real allocators
+    cost_model.py    StepCostModel: seconds per step from what it computed (fitted to measured
+                     steps, or derived from an accelerator's published numbers)
+    paper.py         the PagedAttention paper's evaluation: fitted ShareGPT / Alpaca workloads,
+                     the serving simulator (real scheduler and allocator in virtual time) and its
+                     validation against the real engine, Orca's reservation policies, sharing
     timeline.py      the static-vs-continuous sandbox on the real scheduler
 """

@@ -58,7 +58,9 @@ WORKLOADS = ("mixed", "similar", "random", "shared-prefix")
 ENGINE_SYSTEMS = {
     "continuous": {},
     "static": {"scheduling": "static"},
-    "contiguous": {"allocation": "contiguous"},
+    "contiguous": {"allocation": "contiguous"},   # Orca (Max): every request reserves max_model_len
+    "orca-pow2": {"allocation": "contiguous", "contiguous_reserve": "pow2"},
+    "orca-oracle": {"allocation": "contiguous", "contiguous_reserve": "oracle"},
     "continuous-nocache": {"enable_prefix_caching": False},
 }
 SYSTEMS = (*ENGINE_SYSTEMS, "hf")
@@ -207,6 +209,7 @@ class SystemResult:
     start: float                            # perf_counter at the run's start
     steps: list = field(default_factory=list)          # metrics.StepStats of an engine run
     occupancy: list = field(default_factory=list)      # steps x seats (first steps only)
+    timings: list = field(default_factory=list)        # metrics.StepTiming of each engine step
 
     def step_series(self) -> dict:
         """Per-step time since start (s), running requests, KV use and utilization."""
@@ -341,7 +344,7 @@ class EngineBench:
             "scheduling", "allocation", "enable_prefix_caching", "num_blocks", "block_size", "max_num_seqs",
             "max_num_batched_tokens", "max_model_len")}
         return SystemResult(system, workload, summary, records, start, list(metrics.steps),
-                            metrics.occupancy_matrix(occupancy_steps))
+                            metrics.occupancy_matrix(occupancy_steps), list(eng.step_timings))
 
 
 def _loadavg() -> float | None:

@@ -130,18 +130,22 @@ class BatchPacker:
             buf = self._buffers[(T, S, P)] = StepInput.padding(T, S, P)
         return buf
 
-    def pack(self, out: SchedulerOutput, kv: KVCacheManager) -> StepInput:
+    def plan(self, out: SchedulerOutput) -> tuple[tuple[int, int, int], int, list[int]]:
+        """The bucket (T, S, P) the step packs into, its real tokens and each row's context length."""
         cfg = self.config
-        bs = cfg.block_size
-        rows = out.scheduled
         n_tokens = sum(out.num_new_tokens)
-        tables = [kv.req_to_blocks[r.request_id] for r in rows]
-        ctx = [r.num_computed_tokens + n for r, n in zip(rows, out.num_new_tokens)]
-        max_pages = cdiv(max(ctx, default=1), bs)
+        ctx = [r.num_computed_tokens + n for r, n in zip(out.scheduled, out.num_new_tokens)]
+        max_pages = cdiv(max(ctx, default=1), cfg.block_size)
         # rows exceed tokens only by forked samples (rows with no token of their own)
-        T = pick_bucket(cfg.token_buckets, max(n_tokens, len(rows), 1), "tokens in one step")
-        S = self.rows_for(T)
+        T = pick_bucket(cfg.token_buckets, max(n_tokens, len(out.scheduled), 1), "tokens in one step")
         P = pick_bucket(cfg.page_buckets, max(max_pages, 1), "blocks per sequence")
+        return (T, self.rows_for(T), P), n_tokens, ctx
+
+    def pack(self, out: SchedulerOutput, kv: KVCacheManager) -> StepInput:
+        bs = self.config.block_size
+        rows = out.scheduled
+        tables = [kv.req_to_blocks[r.request_id] for r in rows]
+        (T, S, P), n_tokens, ctx = self.plan(out)
         buf = self._buffers_for(T, S, P)
         a, sp = buf.attention, buf.sampling
 

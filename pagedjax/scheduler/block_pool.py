@@ -57,6 +57,7 @@ class BlockPool:
 
     - `allocate(n)`: n blocks from the front of the free queue (evicting their cached hashes);
       all or nothing.
+    - `allocate_run(n)`: n blocks with consecutive ids (first fit), for contiguous reservations.
     - `touch(ids)`: one more holder for each block (a prefix hit or a fork); a free cached block
       leaves the free queue.
     - `free(ids)`: one holder fewer; blocks reaching refcount 0 join the back of the queue, in
@@ -79,6 +80,7 @@ class BlockPool:
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
         self.cached: dict[BlockHash, int] = {}
         self.num_evictions = 0
+        self._runs: list[tuple[int, int]] | None = None   # free_runs(), until the free set changes
 
     # -- queries -------------------------------------------------------------------------
     @property
@@ -104,6 +106,7 @@ class BlockPool:
         if n > len(self.free_queue):
             raise ValueError(f"cannot allocate {n} blocks: only {len(self.free_queue)} free")
         out = []
+        self._runs = None
         for _ in range(n):
             block_id, _ = self.free_queue.popitem(last=False)
             self._evict(block_id)
@@ -111,13 +114,58 @@ class BlockPool:
             out.append(block_id)
         return out
 
+    def free_runs(self) -> list[tuple[int, int]]:
+        """(first block id, length) of every run of consecutive free block ids, in id order."""
+        if self._runs is not None:
+            return self._runs
+        runs: list[tuple[int, int]] = []
+        for b in sorted(self.free_queue):
+            if runs and runs[-1][0] + runs[-1][1] == b:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            else:
+                runs.append((b, 1))
+        self._runs = runs
+        return runs
+
+    def can_place(self, sizes: Sequence[int]) -> bool:
+        """Whether `allocate_run` could place runs of these sizes, one after another (first fit)."""
+        runs = [length for _, length in self.free_runs()]
+        for n in sizes:
+            if n <= 0:
+                continue
+            fit = next((i for i, length in enumerate(runs) if length >= n), None)
+            if fit is None:
+                return False
+            runs[fit] -= n
+        return True
+
+    def allocate_run(self, n: int) -> list[int]:
+        """n blocks with consecutive ids, from the first free run long enough (first fit): the
+        placement of a contiguous allocator, whose free memory can be plentiful in total and
+        still too broken up for one more reservation (external fragmentation)."""
+        if n <= 0:
+            return []
+        start = next((b for b, length in self.free_runs() if length >= n), None)
+        if start is None:
+            raise ValueError(f"cannot allocate {n} consecutive blocks: the longest free run is "
+                             f"{max((length for _, length in self.free_runs()), default=0)}")
+        out = list(range(start, start + n))
+        self._runs = None
+        for block_id in out:
+            del self.free_queue[block_id]
+            self._evict(block_id)
+            self.ref_cnt[block_id] = 1
+        return out
+
     def touch(self, block_ids: Iterable[int]) -> None:
+        self._runs = None
         for block_id in block_ids:
             if self.ref_cnt[block_id] == 0:
                 del self.free_queue[block_id]
             self.ref_cnt[block_id] += 1
 
     def free(self, block_ids: Iterable[int]) -> None:
+        self._runs = None
         for block_id in block_ids:
             if block_id == NULL_BLOCK or self.ref_cnt[block_id] <= 0:
                 raise ValueError(f"block {block_id} is not held (refcount {self.ref_cnt[block_id]}): double free")
@@ -149,3 +197,16 @@ class BlockPool:
         self.cached.clear()
         self.block_hash = [None] * self.num_blocks
         return True
+
+
+class HostPool:
+    """The swap space: host blocks with refcounts (shared device blocks stay shared on host)."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.free_ids = list(range(num_blocks - 1, -1, -1))
+        self.ref_cnt = [0] * num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_ids)

@@ -11,12 +11,16 @@ A request is anything with:
     num_computed_tokens: int      tokens whose K/V is already in the cache
     block_hashes: list            scratch list the manager fills (chained full-block hashes)
     extra_key (optional)          mixed into block hashes (a LoRA / adapter id), default None
-    max_num_tokens (optional)     prompt + max_tokens: the contiguous "request" reservation
+    max_num_tokens (optional)     prompt + max_tokens: what the contiguous reservations size from
 
-`allocation="contiguous"` is the baseline the paper compares against, behind the same
-interface: at admission a request reserves `ceil(max_model_len / block_size)` blocks (or
-`ceil(max_num_tokens / block_size)` with `contiguous_reserve="request"`) and never grows,
-shares nothing and hits no prefix cache.
+`allocation="contiguous"` is the baseline the paper compares against (Orca's reservation
+policies), behind the same interface: at admission a request reserves one run of blocks with
+consecutive ids (first fit, so free memory can be broken into runs too short for the next
+reservation: external fragmentation) and never grows, shares nothing and hits no prefix cache.
+The run's length is set by `contiguous_reserve` ("max_model_len" and "request" are older names):
+    "max" / "max_model_len"  Orca (Max): max_model_len tokens
+    "pow2"                   Orca (Pow2): prompt + the next power of two >= max_tokens (<= max_model_len)
+    "oracle" / "request"     Orca (Oracle): prompt + max_tokens, exact for a request run to max_tokens
 """
 
 from __future__ import annotations
@@ -24,11 +28,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pagedjax.scheduler.block_pool import BlockPool, hash_request_blocks
+from pagedjax.scheduler.block_pool import BlockPool, HostPool, hash_request_blocks
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+RESERVATIONS = ("max", "pow2", "oracle", "max_model_len", "request")
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,9 @@ class KVUsage:
     real_tokens: int             # token slots holding (or about to hold) a real token, shared ones once
     reserved_unused: int         # slots in whole blocks reserved ahead of the last written one
     internal_fragmentation: int  # unfilled slots of each table's last written block
+    # contiguous only (0 when paged), counted in slots, together the rest of allocated_slots:
+    reserved_for_future: int = 0  # slots the request will still write (up to prompt + max_tokens)
+    over_reserved: int = 0        # slots of the reservation it can never write
 
     @property
     def utilization(self) -> float:
@@ -53,19 +63,6 @@ class KVUsage:
         return self.used_blocks / self.num_blocks
 
 
-class _HostPool:
-    """The swap space: host blocks with refcounts (shared device blocks stay shared on host)."""
-
-    def __init__(self, num_blocks: int):
-        self.num_blocks = num_blocks
-        self.free_ids = list(range(num_blocks - 1, -1, -1))
-        self.ref_cnt = [0] * num_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self.free_ids)
-
-
 class KVCacheManager:
     def __init__(
         self,
@@ -75,14 +72,14 @@ class KVCacheManager:
         max_model_len: int | None = None,
         enable_prefix_caching: bool = True,
         allocation: Literal["paged", "contiguous"] = "paged",
-        contiguous_reserve: Literal["max_model_len", "request"] = "max_model_len",
+        contiguous_reserve: Literal["max", "pow2", "oracle", "max_model_len", "request"] = "max",
         num_host_blocks: int = 0,
     ):
         if allocation not in ("paged", "contiguous"):
             raise ValueError(f"allocation must be 'paged' or 'contiguous', got {allocation!r}")
-        if contiguous_reserve not in ("max_model_len", "request"):
-            raise ValueError(f"contiguous_reserve must be 'max_model_len' or 'request', got {contiguous_reserve!r}")
-        if allocation == "contiguous" and contiguous_reserve == "max_model_len" and not max_model_len:
+        if contiguous_reserve not in RESERVATIONS:
+            raise ValueError(f"contiguous_reserve must be one of {RESERVATIONS}, got {contiguous_reserve!r}")
+        if allocation == "contiguous" and not max_model_len:
             raise ValueError("max_model_len is required for allocation='contiguous' (it sets the reservation)")
         if num_host_blocks < 0:
             raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
@@ -93,11 +90,12 @@ class KVCacheManager:
         self.max_model_len = max_model_len
         self.allocation = allocation
         self.contiguous_reserve = contiguous_reserve
-        self.host = _HostPool(num_host_blocks)
+        self.host = HostPool(num_host_blocks)
 
         self.req_to_blocks: dict[str, list[int]] = {}
         self.num_cached_blocks: dict[str, int] = {}   # table prefix already offered to the hash map
         self.num_tokens_held: dict[str, int] = {}     # tokens with a slot (written or written this step)
+        self.final_tokens: dict[str, int] = {}        # contiguous: prompt + max_tokens of each holder
         self.swapped: dict[str, tuple[list[int], int]] = {}  # id -> (host table, tokens held)
         self._block_copies: list[tuple[int, int]] = []
         self._pending: set[int] = set()  # registered this step, not yet computed
@@ -137,9 +135,22 @@ class KVCacheManager:
 
     # -- allocation ----------------------------------------------------------------------
     def reservation(self, request: Any) -> int:
-        if self.contiguous_reserve == "request":
+        """Blocks a contiguous reservation takes for `request` (see the module docstring)."""
+        if self.contiguous_reserve in ("oracle", "request"):
             return cdiv(request.max_num_tokens, self.block_size)
+        if self.contiguous_reserve == "pow2":
+            prompt = getattr(request, "num_prompt_tokens", len(request.all_token_ids))
+            output = max(1, request.max_num_tokens - prompt)
+            span = min(self.max_model_len, prompt + (1 << (output - 1).bit_length()))
+            return cdiv(max(span, request.max_num_tokens), self.block_size)
         return cdiv(self.max_model_len, self.block_size)
+
+    def can_reserve(self, sizes: list[int]) -> bool:
+        """Whether runs of these many blocks could be taken now, one after another (contiguous:
+        each a run of consecutive ids; paged: only their total counts)."""
+        if self.contiguous:
+            return self.pool.can_place(sizes)
+        return sum(sizes) <= self.pool.num_free_blocks
 
     def allocate_slots(self, request: Any, num_new_tokens: int, new_computed_blocks: list[int] | None = None) -> list[int] | None:
         """Give the request slots for `num_new_tokens` more tokens after its computed ones.
@@ -182,6 +193,8 @@ class KVCacheManager:
                                  f"reservation of {reserve * bs} (max_model_len / max_num_tokens)")
             num_new_blocks = reserve - len(table)
             cow_index = -1
+            if not self.pool.can_place([num_new_blocks]):
+                return None
         else:
             num_new_blocks = max(0, cdiv(total, bs) - len(table) - len(new_computed_blocks))
             # copy-on-write: the first slot written this step lies in a block another table
@@ -197,7 +210,11 @@ class KVCacheManager:
 
         if new_computed_blocks:
             self._touch(new_computed_blocks, bs)
-        new_blocks = self.pool.allocate(num_new_blocks + (cow_index >= 0))
+        if self.contiguous:
+            new_blocks = self.pool.allocate_run(num_new_blocks)
+            self.final_tokens[req_id] = min(getattr(request, "max_num_tokens", None) or reserve * bs, reserve * bs)
+        else:
+            new_blocks = self.pool.allocate(num_new_blocks + (cow_index >= 0))
         if cow_index >= 0:
             src, dst = table[cow_index], new_blocks[-1]
             self._shared_dup -= self._fill(req_id, cow_index)
@@ -281,10 +298,12 @@ class KVCacheManager:
         parent = self.req_to_blocks[parent_id]
         held = self.num_tokens_held[parent_id]
         if self.contiguous:
-            if len(parent) > self.pool.num_free_blocks:
-                raise ValueError(f"fork: {len(parent)} free blocks needed for a contiguous copy, "
-                                 f"{self.pool.num_free_blocks} free")
-            child = self.pool.allocate(len(parent))
+            if not self.pool.can_place([len(parent)]):
+                raise ValueError(f"fork: a run of {len(parent)} free blocks needed for a contiguous copy, "
+                                 f"{self.pool.num_free_blocks} free in runs of at most "
+                                 f"{max((n for _, n in self.pool.free_runs()), default=0)}")
+            child = self.pool.allocate_run(len(parent))
+            self.final_tokens[child_id] = self.final_tokens[parent_id]
             self._block_copies.extend((s, d) for s, d in zip(parent[: cdiv(held, self.block_size)], child))
         else:
             child = list(parent)
@@ -303,6 +322,7 @@ class KVCacheManager:
         if req_id in self.swapped:
             host_table, _ = self.swapped.pop(req_id)
             self._free_host(host_table)
+            self.final_tokens.pop(req_id, None)
             self.num_cached_blocks.pop(req_id, None)
             return
         if req_id not in self.req_to_blocks:
@@ -323,6 +343,7 @@ class KVCacheManager:
                         del self.pool.cached[h]
         self.pool.free(reversed(table))
         self.num_tokens_held.pop(req_id, None)
+        self.final_tokens.pop(req_id, None)
         self.num_cached_blocks.pop(req_id, None)
 
     # -- swap ----------------------------------------------------------------------------
@@ -341,12 +362,16 @@ class KVCacheManager:
             host_table = [dev_to_host[d] for d in self.req_to_blocks[r]]
             for h in host_table:
                 self.host.ref_cnt[h] += 1
-            held = self.num_tokens_held[r]
+            held, final = self.num_tokens_held[r], self.final_tokens.get(r)
             self.free(r)
             self.swapped[r] = (host_table, held)
+            if final is not None:
+                self.final_tokens[r] = final
         return list(dev_to_host.items())
 
     def can_swap_in(self, request_ids: list[str]) -> bool:
+        if self.contiguous:  # nothing is shared: each request comes back into a run of its own
+            return self.pool.can_place([len(self.swapped[r][0]) for r in request_ids])
         unique = {h for r in request_ids for h in self.swapped[r][0]}
         return len(unique) <= self.pool.num_free_blocks
 
@@ -359,7 +384,11 @@ class KVCacheManager:
         if not self.can_swap_in(request_ids):
             return None
         unique = list(dict.fromkeys(h for r in request_ids for h in self.swapped[r][0]))
-        host_to_dev = dict(zip(unique, self.pool.allocate(len(unique))))
+        if self.contiguous:
+            host_to_dev = {h: d for r in request_ids
+                           for h, d in zip(self.swapped[r][0], self.pool.allocate_run(len(self.swapped[r][0])))}
+        else:
+            host_to_dev = dict(zip(unique, self.pool.allocate(len(unique))))
         # allocate() gave each block one holder; the others are touched below
         first_holder: set[int] = set()
         for r in request_ids:
@@ -401,10 +430,14 @@ class KVCacheManager:
         bs = self.block_size
         used = self.pool.num_used_blocks
         real = sum(self.num_tokens_held.values()) - self._shared_dup
-        reserved = 0
+        reserved = future = over = 0
         if self.contiguous:
             for r, table in self.req_to_blocks.items():
-                reserved += (len(table) - cdiv(self.num_tokens_held[r], bs)) * bs
+                held = self.num_tokens_held[r]
+                reserved += (len(table) - cdiv(held, bs)) * bs
+                final = max(held, min(self.final_tokens.get(r, held), len(table) * bs))
+                future += final - held
+                over += len(table) * bs - final
         return KVUsage(
             num_blocks=self.pool.num_blocks - 1,
             used_blocks=used,
@@ -412,4 +445,6 @@ class KVCacheManager:
             real_tokens=real,
             reserved_unused=reserved,
             internal_fragmentation=used * bs - real - reserved,
+            reserved_for_future=future,
+            over_reserved=over,
         )

@@ -204,9 +204,9 @@ class Scheduler:
         if (req.needs_fork
                 and req.num_computed_tokens + len(hits or ()) * self.config.block_size + num_new >= req.num_prompt_tokens):
             # contiguous siblings each reserve (and copy into) a slab of their own at the fork
-            fork_blocks = (req.sampling_params.n - 1) * self.kv.reservation(req)
-            if fork_blocks + self.kv.reservation(req) - len(self.kv.req_to_blocks.get(req.request_id, ())) \
-                    > self.kv.num_free_blocks():
+            reserve = self.kv.reservation(req)
+            own = reserve - len(self.kv.req_to_blocks.get(req.request_id, ()))
+            if not self.kv.can_reserve([own] + [reserve] * (req.sampling_params.n - 1)):
                 return False
         return self.kv.allocate_slots(req, num_new, hits) is not None
 

@@ -9,8 +9,10 @@ or a prefix hit on a block still being filled changes the tokens a request produ
 comparing against a run with ample memory (`run_alone`) catches it. With `check_kv=True` every
 row's whole context is read back and compared, before the step's writes and after.
 
-Step time runs on a virtual clock: a + b * tokens + c * context tokens, so a schedule of
-100,000 requests can be studied in seconds.
+Step time runs on a virtual clock, from a cost: `StepCost` (a + b * tokens + c * context tokens)
+or anything with `step_time(out, step, block_size)`, such as a step-cost model fitted to the
+engine's measured steps (pagedjax.benchmarks.cost_model). A schedule of 100,000 requests can be
+studied in seconds.
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ class StepCost:
     per_token: float = 1e-4
     per_context_token: float = 1e-6
 
+    def step_time(self, out: SchedulerOutput, step: StepInput, block_size: int) -> float:
+        context = float(step.attention.context_lens[:int(step.attention.num_seqs)].sum())
+        return self.fixed + self.per_token * step.num_tokens + self.per_context_token * context
+
 
 def next_token_rule(seed: np.ndarray, pos: np.ndarray, prev: np.ndarray, back: np.ndarray, vocab: int) -> np.ndarray:
     """The sim's "model": a hash of (seed, position, two tokens of the context)."""
@@ -82,7 +88,7 @@ def run_alone(req: Request, max_model_len: int, vocab_size: int = 1000) -> tuple
 
 class SimExecutor:
     def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0, vocab_size: int = 1000,
-                 cost: StepCost | None = None, check_kv: bool = False):
+                 cost=None, check_kv: bool = False):
         self.bs = block_size
         self.kv = np.full(num_blocks * block_size, -1, np.int64)
         self.host = np.full(max(num_host_blocks, 1) * block_size, -1, np.int64)
@@ -148,8 +154,7 @@ class SimExecutor:
         seed = seeds[:S, 0].astype(np.uint64) | (seeds[:S, 1].astype(np.uint64) << np.uint64(32))
         sampled = next_token_rule(seed, ctx, prev, back, self.vocab)
         errors = self.logits_hook(out) if self.logits_hook else None
-        dt = self.cost.fixed + self.cost.per_token * n + self.cost.per_context_token * float(ctx.sum())
-        return sampled, errors, dt
+        return sampled, errors, self.cost.step_time(out, step, bs)
 
 
 @dataclass
@@ -185,7 +190,8 @@ def simulate(scheduler: Scheduler, executor: SimExecutor, arrivals: Iterable[Req
                                    f"{scheduler.num_unfinished} unfinished requests")
             clock.now = max(clock.now, pending[0][0])
             continue
-        step = packer.pack(out, scheduler.kv)
+        # an executor that only prices steps plans them itself, without packing the arrays
+        step = packer.pack(out, scheduler.kv) if getattr(executor, "needs_step_input", True) else None
         sampled, errors, dt = executor.execute(out, step)
         clock.advance(dt)
         for req in scheduler.update_from_output(out, sampled, errors=errors, now=clock.now):
