@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from pagedjax.attention import resolve_backend
+from pagedjax.compile_cache import enable_compilation_cache
 from pagedjax.config import EngineConfig
 from pagedjax.engine_args import EngineArgs, split_engine_kwargs
 from pagedjax.metrics import StepTiming, step_shape
@@ -48,6 +49,7 @@ class LLMEngine:
         (revision, download_dir, tokenizer, ...), others checked or accepted with a warning."""
         config_kwargs, source = split_engine_kwargs(kwargs)
         self.config = config = EngineConfig(**config_kwargs)
+        enable_compilation_cache()   # before anything compiles (pagedjax.compile_cache)
         (self.model_config, params, self.tokenizer), self.dtype = prepare_model(model, dtype, config.seed, **source)
         mc = self.model_config
         if config.max_model_len > mc.max_position_embeddings:

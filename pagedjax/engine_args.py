@@ -23,7 +23,8 @@ logger = logging.getLogger(__name__)
 
 # vLLM engine arguments accepted without effect: name -> why it has none here
 NO_EFFECT: dict[str, str] = {
-    "enforce_eager": "there are no CUDA graphs to skip: every step runs a jitted XLA program of its shape bucket",
+    "enforce_eager": "there are no CUDA graphs to skip: every step runs a jitted XLA program of its shape bucket "
+                     "(LLM(..., enforce_eager=True) compiles each bucket when first needed instead of at start-up)",
     "max_seq_len_to_capture": "there are no CUDA graphs: token_buckets, seq_buckets and page_buckets set the "
                               "compiled shapes",
     "cuda_graph_sizes": "there are no CUDA graphs: token_buckets sets the compiled step sizes",

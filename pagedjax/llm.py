@@ -10,6 +10,7 @@ outputs in the order of the prompts.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 
@@ -23,8 +24,18 @@ from pagedjax.sampling_params import RequestOutputKind, SamplingParams
 class LLM:
     """vLLM's offline entry point: `LLM(model, **engine_args).generate(prompts, sampling_params)`."""
 
-    def __init__(self, model: str | LoadedModel = "smollm2-135m", **kwargs):
+    def __init__(self, model: str | LoadedModel = "smollm2-135m", *, warmup: bool | None = None, **kwargs):
+        """`kwargs`: vLLM's engine arguments (see LLMEngine). Every shape bucket is compiled here,
+        as vLLM prepares its CUDA graphs at start-up, so no `generate` waits for a compilation;
+        with JAX's persistent compilation cache (pagedjax.compile_cache) a second process loads
+        them instead. `warmup=False`, or vLLM's `enforce_eager=True`, compiles each bucket when a
+        step first needs it instead. Default: True, unless $PAGEDJAX_WARMUP is 0."""
+        eager = bool(kwargs.pop("enforce_eager", False))
+        if warmup is None:
+            warmup = not eager and os.environ.get("PAGEDJAX_WARMUP", "1").lower() not in ("0", "false", "no", "off")
         self.llm_engine = LLMEngine(model, **kwargs)
+        if warmup:
+            self.llm_engine.warmup()
 
     @property
     def tokenizer(self):

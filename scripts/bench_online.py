@@ -309,8 +309,7 @@ def compare_offline(args) -> dict:
     p = argparse.ArgumentParser()
     add_engine_args(p)
     kw = engine_kwargs(p.parse_args(flags))
-    llm = LLM(args.model, **kw)
-    llm.warmup()
+    llm = LLM(args.model, **kw)   # compiles every bucket
     proc, url = start_logged_server(args.model, flags, os.path.join(args.result_dir, "online_compare_server.log"))
     rows = []
     try:

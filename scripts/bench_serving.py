@@ -7,8 +7,9 @@ reservation (all the same pagedjax engine, the same KV memory) and Hugging Face 
     python scripts/bench_serving.py --workloads mixed --systems continuous,static --num-requests 128
     python scripts/bench_serving.py --workloads random --random-input-len 128 --random-output-len 64
     python scripts/bench_serving.py --request-rate 4    # Poisson arrivals instead of all at once
+    python scripts/bench_serving.py --regime shrinking  # decode buckets shrink with the live rows (default: padded)
 
-Default workloads and systems: mixed (continuous, static, contiguous, hf), similar (continuous,
+Default workloads and systems: mixed (continuous, static, contiguous, hf, hf-cb), similar (continuous,
 static), shared-prefix with a 512-token system prompt (continuous with prefix caching on and off);
 then the capacity study at full scale (no model). Each engine system runs 3 times per workload,
 interleaved with the others (--repeats); the tables show each system's median run and the report
@@ -44,6 +45,9 @@ def parse_args(argv=None):
     p.add_argument("--max-num-seqs", type=int, default=32, help="seats: engine max_num_seqs and the hf batch size")
     p.add_argument("--request-rate", type=float, default=math.inf,
                    help="Poisson arrivals at this many requests/s (default inf: all at once)")
+    p.add_argument("--regime", choices=serving.REGIMES, default="padded",
+                   help="padded: decode steps padded to the seats (fixed shapes, as on an accelerator); "
+                        "shrinking: token buckets from 8, so a static batch's steps shrink with its live rows")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="fewer requests, a 128-token shared prefix")
     p.add_argument("--prefix-len", type=int, default=None, help="shared-prefix: system prompt tokens (default 512)")
@@ -87,7 +91,8 @@ def main(argv=None) -> int:
                                max_num_seqs=args.max_num_seqs, request_rate=args.request_rate, seed=args.seed,
                                quick=args.quick, knobs=knobs, engine_overrides=overrides,
                                progress=not args.no_progress, capacity=not args.no_capacity,
-                               repeats=(1 if args.quick else 3) if args.repeats is None else args.repeats)
+                               repeats=(1 if args.quick else 3) if args.repeats is None else args.repeats,
+                               regime=args.regime)
     report["command"] = " ".join(["python", "scripts/bench_serving.py", *sys.argv[1:]])
     report["date"] = datetime.datetime.now().isoformat(timespec="seconds")
     report["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),

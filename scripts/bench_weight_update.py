@@ -25,8 +25,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args()
     llm = LLM(args.model, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, token_buckets=(8, 64),
-              page_buckets=(16,))
-    llm.warmup()
+              page_buckets=(16,))   # compiles every bucket
     original = llm.params
     scaled = jax.tree.map(lambda w: w * 1.0001, original)
     jax.block_until_ready(scaled)

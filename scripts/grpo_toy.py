@@ -96,7 +96,7 @@ def main(argv=None) -> dict:
 
     params = init_random_params(CFG, jax.random.key(args.seed))
     ref_params = params
-    llm = LLM(LoadedModel(CFG, params, None), **ENGINE)
+    llm = LLM(LoadedModel(CFG, params, None), warmup=False, **ENGINE)
     t0 = time.perf_counter()
     llm.warmup()
     warmup_s = time.perf_counter() - t0

@@ -234,6 +234,30 @@ def test_end_to_end_every_system_generates_the_same_tokens(tiny_report):
             assert res["summary"]["completed"] == entry["num_requests"]
 
 
+def test_cost_model_ideal_predicts_every_engine_system(tiny_report):
+    entry = tiny_report["workloads"]["mixed"]
+    cm = entry["cost_model"]
+    assert set(cm["systems"]) == {"continuous", "static", "contiguous"}
+    for v in cm["systems"].values():
+        assert v["predicted_duration_s"] > 0 and v["measured_over_predicted"] > 0
+        assert v["measured_over_predicted"] == pytest.approx(v["measured_duration_s"] / v["predicted_duration_s"])
+    r = entry["ratios"]
+    assert r["cost_model_ideal"] == pytest.approx(cm["predicted_continuous_over_static"])
+    assert r["measured_over_cost_model_ideal"] == pytest.approx(r["continuous_over_static"] / r["cost_model_ideal"])
+    assert tiny_report["regime"] == "padded"
+    assert "cost-model ideal (padded regime" in serving.format_report(tiny_report)
+
+
+def test_the_shrinking_regime_lets_token_buckets_start_at_8():
+    report = serving.run_serving("tiny-random", workloads=("similar",), systems=("continuous", "static"),
+                                 num_requests=8, max_num_seqs=16, progress=False, capacity=False, log=lambda s: None,
+                                 knobs={"similar": dict(prompt_range=(4, 8), output_range=(3, 6))}, regime="shrinking",
+                                 engine_overrides=dict(page_buckets=(4, 32), reservations=4))
+    assert report["engine_config"]["token_buckets"][0] == 8 and report["regime"] == "shrinking"
+    with pytest.raises(ValueError, match="regime must be one of"):
+        serving.run_serving("tiny-random", workloads=("similar",), regime="fixed", log=lambda s: None)
+
+
 def test_end_to_end_policies_behave_as_named(tiny_report):
     mixed = {s: e["summary"] for s, e in tiny_report["workloads"]["mixed"]["systems"].items()}
     # 4 reservations of max_model_len: contiguous never runs more than 4; continuous fills 8 seats
@@ -365,3 +389,19 @@ def test_repeats_interleave_the_systems_and_report_the_median(monkeypatch):
     assert "3 interleaved runs per engine system" in text and "continuous/static per repeat" in text
     with pytest.raises(ValueError, match="repeats"):
         serving.run_serving("tiny-random", workloads=("similar",), repeats=0, log=lambda s: None)
+
+
+def test_hf_cb_runs_transformers_continuous_batching_to_each_max_tokens():
+    from engine_helpers import make_tiny_hf
+
+    hf = make_tiny_hf()
+    reqs = [serving.BenchRequest(f"r{i}", tuple(range(5 + i, 12 + 2 * i)), 3 + (i * 5) % 11, arrival=0.02 * i)
+            for i in range(10)]
+    res = serving.run_hf_cb(hf, reqs, seats=4, block_size=8, num_blocks=64, max_batch_tokens=64, progress=False)
+    assert res.system == "hf-cb" and res.summary["completed"] == 10
+    got = {r.request_id: r for r in res.records}
+    for q in reqs:
+        rec = got[q.request_id]
+        assert rec.num_output_tokens == q.max_tokens == len(rec.token_times)
+        assert rec.token_times == sorted(rec.token_times) and rec.first_token >= rec.arrival
+    assert res.summary["output_throughput"] > 0 and res.summary["config"]["max_requests_per_batch"] == 4

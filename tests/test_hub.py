@@ -240,7 +240,8 @@ def test_explicit_dtypes_and_vllm_aliases():
 
 # -- vLLM's engine arguments ---------------------------------------------------------------------
 def test_arguments_without_effect_warn_once_and_change_nothing(cache, main_tokens, caplog):
-    noop = dict(enforce_eager=True, trust_remote_code=True, disable_log_stats=True, tokenizer_mode="auto",
+    # (enforce_eager is not among them: LLM takes it as "compile each bucket on first use", tests/test_compile.py)
+    noop = dict(trust_remote_code=True, disable_log_stats=True, tokenizer_mode="auto",
                 swap_space=4, max_seq_len_to_capture=8192, disable_custom_all_reduce=True, compilation_config=3,
                 hf_overrides={}, distributed_executor_backend="mp", worker_cls="auto")
     fine = dict(quantization=None, kv_cache_dtype="auto", load_format="auto", pipeline_parallel_size=1,

@@ -233,12 +233,13 @@ def test_simulator_predicts_a_held_out_real_run_within_15_percent():
     loaded = load_any_model("smollm2-135m", "float32", 0)
     V = loaded.model_config.vocab_size
     bench = EngineBench(loaded, engine_kwargs(max_num_seqs=32, max_model_len=512))
-    fit = {"mixed": make_workload("mixed", 32, V, seed=1),
-           "mixed-rate": make_workload("mixed", 32, V, seed=2, request_rate=4.0)}
-    i, o = paper.fitted_lengths("sharegpt", 32, seed=3)
+    fit = {"mixed": make_workload("mixed", 24, V, seed=1),
+           "random-long": make_workload("random", 12, V, seed=2, request_rate=1.5, input_len=192, output_len=96)}
+    i, o = paper.fitted_lengths("sharegpt", 24, seed=3)
     test = {"sharegpt/8": paper.requests_from_lengths(np.maximum(i // 8, 4), np.maximum(o // 8, 2),
                                                       request_rate=2.0, seed=3, vocab_size=V)}
-    report = paper.validation_study(bench, fit, test, repeats=2)
+    # short runs repeated in turn, medians: one run on this shared machine can be 25 % slow
+    report = paper.validation_study(bench, fit, test, repeats=5)
     row = report["results"]["sharegpt/8"]
     errors = {k: row[k]["error"] for k, _ in paper.VALIDATED}
     assert all(math.isfinite(e) for e in errors.values())

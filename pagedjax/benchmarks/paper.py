@@ -296,9 +296,9 @@ def validation_study(bench, fit_sets: dict[str, Sequence[BenchRequest]], test_se
     prediction error of duration, mean TTFT and mean TPOT (predicted / measured - 1).
 
     With `repeats` > 1 the real runs go round in turn (every fit set, then every test set, again)
-    and the measured figures are the means over the repeats: the machine's speed drifts by several
-    per cent from minute to minute on a shared CPU, and the fit and the test then see the same
-    drift. `bench` is a `pagedjax.benchmarks.serving.EngineBench`."""
+    and the measured figures are the medians over the repeats: on a shared CPU the same run of the
+    same requests moves by up to 25 % from one minute to the next (other tenants), so the fit and
+    the test see the same drift and one slow run does not decide. `bench` is a `pagedjax.benchmarks.serving.EngineBench`."""
     from pagedjax.benchmarks.cost_model import DEFAULT_TERMS, StepCostModel
     from pagedjax.benchmarks.serving import ENGINE_SYSTEMS
 
@@ -316,7 +316,7 @@ def validation_study(bench, fit_sets: dict[str, Sequence[BenchRequest]], test_se
         row = {}
         for key, path in VALIDATED:
             runs = [_pick(m, path) for m in measured[name]]
-            real, predicted = float(np.mean(runs)), _pick(sim.summary, path)
+            real, predicted = float(np.median(runs)), _pick(sim.summary, path)
             row[key] = {"measured": real, "measured_runs": runs, "predicted": predicted, "error": predicted / real - 1}
         row["steps"] = {"measured": [m["num_steps"] for m in measured[name]], "predicted": sim.summary["num_steps"]}
         results[name] = row

@@ -20,10 +20,12 @@ Systems. Each engine system is an LLMEngine built from the same loaded weights a
 engine arguments (same `num_blocks`, so the same KV memory; same buckets, so the same compiled
 step functions, shared through the jit cache) with only the host-side policy changed
 (`EngineBench.engine`): continuous = the default engine, static = `scheduling="static"`,
-contiguous = `allocation="contiguous"` (each request reserves `max_model_len` at admission),
+contiguous = `allocation="contiguous"` (Orca (Max): each request reserves `max_model_len` at admission; orca-pow2 and orca-oracle reserve less, see pagedjax.scheduler.kv_cache_manager),
 continuous-nocache = prefix caching off. The device program does not depend on the policy: one
 warm-up compiles for every system, and a compilation during any run shows in its `compilations`.
-`hf` is transformers' `generate` on the same weights in PyTorch (see `run_hf`).
+`hf` is transformers' `generate` on the same weights in PyTorch (see `run_hf`); `hf-cb` is
+transformers' own continuous batching over its paged cache (`run_hf_cb`), as close to the engine's
+seats, pages and token budget as its config allows.
 
 Metrics (vLLM's definitions, `pagedjax.metrics`): request throughput, output and total tokens/s
 over the benchmark duration (first arrival to last token), TTFT, TPOT = (e2e - TTFT) / (n - 1),
@@ -63,7 +65,8 @@ ENGINE_SYSTEMS = {
     "orca-oracle": {"allocation": "contiguous", "contiguous_reserve": "oracle"},
     "continuous-nocache": {"enable_prefix_caching": False},
 }
-SYSTEMS = (*ENGINE_SYSTEMS, "hf")
+SYSTEMS = (*ENGINE_SYSTEMS, "hf", "hf-cb")
+REGIMES = ("padded", "shrinking")   # decode steps padded to the seats, or buckets shrinking with live rows
 
 # per-workload length knobs (overridable through make_workload's keyword arguments)
 WORKLOAD_DEFAULTS = {
@@ -197,6 +200,35 @@ def ideal_ratio(output_lens: Sequence[int], seats: int) -> dict:
     return {"seats": seats, "static_steps": s, "continuous_steps": c, "static_seat_steps": s * seats,
             "continuous_seat_steps": c * seats, "static_held_seat_steps": held, "output_tokens": sum(lens),
             "ideal": s / c, "perfect": held / sum(lens), "static_busy_fraction": sum(lens) / held}
+
+
+def cost_model_ideal(results: Sequence[SystemResult], requests: Sequence[BenchRequest], engine_args: dict) -> dict | None:
+    """The cost-aware ideal. A step-cost model (pagedjax.benchmarks.cost_model: fixed + per padded
+    token + per context token, in seconds) is fitted to every engine run's measured steps here;
+    the simulator (the real scheduler and allocator in virtual time, pagedjax.benchmarks.paper)
+    then predicts each engine system's duration on the same request list. Reported: measured /
+    predicted per system, and the predicted continuous / static throughput ratio, the yardstick
+    for the measured one. Unlike `ideal_ratio`, a step costs what its shape costs on this machine:
+    a static decode step with few live rows is cheap when its bucket shrinks with them."""
+    from pagedjax.benchmarks.cost_model import StepCostModel
+    from pagedjax.benchmarks.paper import simulate_serving
+    from pagedjax.config import EngineConfig
+
+    runs = [r for r in results if r.timings and r.system in ENGINE_SYSTEMS]
+    if not runs:
+        return None
+    model = StepCostModel.from_timings([t for r in runs for t in r.timings])
+    systems = {}
+    for r in runs:
+        sim = simulate_serving(requests, EngineConfig(**{**engine_args, **ENGINE_SYSTEMS[r.system]}), model)
+        measured, predicted = r.summary["duration_s"], sim.summary["duration_s"]
+        systems[r.system] = {"measured_duration_s": measured, "predicted_duration_s": predicted,
+                             "measured_over_predicted": measured / predicted}
+    out = {"model": model.to_dict(), "systems": systems}
+    if "continuous" in systems and "static" in systems:
+        out["predicted_continuous_over_static"] = (systems["static"]["predicted_duration_s"]
+                                                   / systems["continuous"]["predicted_duration_s"])
+    return out
 
 
 # -- results -----------------------------------------------------------------------------------------
@@ -500,6 +532,75 @@ def run_hf(model, requests: Sequence[BenchRequest], seats: int, *, pad_token_id:
     return SystemResult("hf", workload, summary, records, start)
 
 
+def run_hf_cb(model, requests: Sequence[BenchRequest], seats: int, *, block_size: int = 16,
+              num_blocks: int | None = None, max_batch_tokens: int | None = None, workload: str = "",
+              progress: bool = True) -> SystemResult:
+    """transformers' own continuous batching over its paged KV cache (`init_continuous_batching`,
+    in PyTorch), on the same weights: the peer a user would pick instead of pagedjax. As close to
+    the engine's setting as its config allows: `page_size` = block_size, `num_blocks` pages,
+    `max_requests_per_batch` = seats, `max_batch_tokens` = the engine's token budget. Requests are
+    added at their arrival times with their own `max_new_tokens` and no end-of-sequence token (so
+    each generates exactly its max_tokens, as in every system here), greedy; token times are the
+    manager's own per-token timestamps (perf_counter)."""
+    import torch
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    gen = GenerationConfig(do_sample=False, max_new_tokens=max(r.max_tokens for r in requests),
+                           eos_token_id=None, pad_token_id=0)
+    cb = ContinuousBatchingConfig(page_size=block_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
+                                  max_requests_per_batch=seats, allow_block_sharing=False, use_cuda_graph=False)
+    with torch.inference_mode():
+        warm = model.generate_batch([[100, 101, 102]], generation_config=GenerationConfig(
+            do_sample=False, max_new_tokens=2, eos_token_id=None, pad_token_id=0), continuous_batching_config=cb)
+    assert warm, "transformers' continuous batching returned nothing for the warm-up request"
+    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+    pending = deque(sorted(requests, key=lambda r: r.arrival))
+    by_id = {r.request_id: r for r in requests}
+    bar = _bar(len(requests), f"{workload} hf-cb".strip(), progress)
+    records: list[RequestRecord] = []
+    cpu0, load0 = time.process_time(), _loadavg()
+    with torch.inference_mode():
+        manager.start()
+        start = time.perf_counter()
+        try:
+            while pending or len(records) < len(requests):
+                now = time.perf_counter()
+                while pending and start + pending[0].arrival <= now:
+                    r = pending.popleft()
+                    manager.add_request(list(r.prompt_token_ids), request_id=r.request_id, max_new_tokens=r.max_tokens,
+                                        record_timestamps=True, eos_token_id=-1)
+                wait = 0.05 if not pending else max(0.0, min(0.05, start + pending[0].arrival - time.perf_counter()))
+                out = manager.get_result(timeout=wait)
+                if out is None or not out.is_finished():
+                    if out is None and not manager.is_running():
+                        raise RuntimeError("transformers' continuous batching stopped before every request finished")
+                    continue
+                if out.error:
+                    raise RuntimeError(f"transformers' continuous batching failed request {out.request_id}: {out.error}")
+                r = by_id[out.request_id]
+                times = list(out.timestamps or [])[:r.max_tokens]
+                records.append(RequestRecord(
+                    request_id=r.request_id, group_id=r.request_id, num_prompt_tokens=r.prompt_len,
+                    num_output_tokens=len(out.generated_tokens), arrival=start + r.arrival,
+                    first_scheduled=out.lifespan[0] if out.lifespan[0] > 0 else None,
+                    first_token=times[0] if times else None, finished=times[-1] if times else None,
+                    token_times=times, finish_reason="length", num_preemptions=0, num_cached_tokens=0))
+                if bar is not None:
+                    bar.update(1)
+        finally:
+            manager.stop(block=True, timeout=30)
+    end = time.perf_counter()
+    if bar is not None:
+        bar.close()
+    summary = serving_metrics(records, start, _last_token(records, end))
+    summary.update({"num_steps": None, "compilations": None, "peak_running": None, "preemptions": None,
+                    "config": {"page_size": block_size, "num_blocks": num_blocks, "max_batch_tokens": max_batch_tokens,
+                               "max_requests_per_batch": seats},
+                    **_contention(cpu0, load0, end - start)})
+    return SystemResult("hf-cb", workload, summary, records, start)
+
+
 # -- capacity at the same KV memory (scheduler + sim executor, no model) ------------------------------
 def capacity_study(lengths: Sequence[int], *, capacity: int = 32_768, max_model_len: int = 4096,
                    block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
@@ -545,7 +646,7 @@ def capacity_study(lengths: Sequence[int], *, capacity: int = 32_768, max_model_
 
 # -- the whole benchmark ------------------------------------------------------------------------------
 DEFAULT_SYSTEMS = {
-    "mixed": ("continuous", "static", "contiguous", "hf"),
+    "mixed": ("continuous", "static", "contiguous", "hf", "hf-cb"),
     "similar": ("continuous", "static"),
     "random": ("continuous", "static"),
     "shared-prefix": ("continuous", "continuous-nocache"),
@@ -623,11 +724,12 @@ def length_stats(requests: Sequence[BenchRequest]) -> dict:
             "output": {"mean": float(np.mean(o)), "min": min(o), "max": max(o)}}
 
 
-def workload_ratios(results: Sequence[SystemResult], ideal: dict | None) -> dict:
+def workload_ratios(results: Sequence[SystemResult], ideal: dict | None, cost_ideal: dict | None = None) -> dict:
     """The comparisons each workload's systems allow (None where a system did not run)."""
     by = {r.system: r.summary for r in results}
     out = {"continuous_over_static": ratio(results, "continuous", "static"),
            "continuous_over_hf": ratio(results, "continuous", "hf"),
+           "continuous_over_hf_cb": ratio(results, "continuous", "hf-cb"),
            "static_over_hf": ratio(results, "static", "hf"),
            "continuous_over_contiguous": ratio(results, "continuous", "contiguous"),
            "cache_on_over_off": ratio(results, "continuous", "continuous-nocache"),
@@ -640,6 +742,9 @@ def workload_ratios(results: Sequence[SystemResult], ideal: dict | None) -> dict
         out["measured_over_ideal"] = out["continuous_over_static"] / ideal["ideal"]
         if out["saturated_continuous_over_static"] is not None:
             out["saturated_over_perfect"] = out["saturated_continuous_over_static"] / ideal["perfect"]
+    if cost_ideal and "predicted_continuous_over_static" in cost_ideal and out["continuous_over_static"] is not None:
+        out["cost_model_ideal"] = cost_ideal["predicted_continuous_over_static"]
+        out["measured_over_cost_model_ideal"] = out["continuous_over_static"] / out["cost_model_ideal"]
     if "continuous" in by and "contiguous" in by:
         out["peak_running_continuous_over_contiguous"] = (by["continuous"]["peak_running"]
                                                           / max(by["contiguous"]["peak_running"], 1))
@@ -650,7 +755,7 @@ def run_serving(model: str = "smollm2-135m", *, workloads: Sequence[str] = ("mix
                 systems: Sequence[str] | None = None, num_requests: int | dict | None = None,
                 max_num_seqs: int = 32, request_rate: float = math.inf, seed: int = 0, quick: bool = False,
                 knobs: dict | None = None, engine_overrides: dict | None = None, dtype: str = "float32",
-                progress: bool = True, capacity: bool = True, repeats: int = 1,
+                progress: bool = True, capacity: bool = True, repeats: int = 1, regime: str = "padded",
                 log: Callable[[str], None] = print) -> dict:
     """Build the workloads, one engine, warm it up, run every (workload, system), return the report
     (JSON-ready) with the SystemResults under report["_results"][workload].
@@ -659,7 +764,13 @@ def run_serving(model: str = "smollm2-135m", *, workloads: Sequence[str] = ("mix
     static, ..., continuous, static, ...) so a burst of load from other tenants lands on every
     system alike; each system is then reported by its median run (by output tokens/s), and every
     run's throughput is kept under entry["repeats"]. hf runs once: it is the slowest system and
-    a per-step cost rather than a scheduling policy."""
+    a per-step cost rather than a scheduling policy.
+
+    regime: "padded" (decode steps padded to the seats: the token buckets start at max_num_seqs, so
+    a step costs the same however many seats are live, the fixed-shape regime of an accelerator)
+    or "shrinking" (token buckets from 8 up in powers of two: a static batch's decode steps get
+    cheaper as its members finish). Every figure names its regime."""
+    from pagedjax.config import pow2_buckets
     from pagedjax.engine import LLMEngine
     from pagedjax.model.hub import load_any_model
 
@@ -678,7 +789,13 @@ def run_serving(model: str = "smollm2-135m", *, workloads: Sequence[str] = ("mix
 
     need = max(max_request_len(w, **knobs[w]) for w in workloads)
     mml = max(512, -(-need // 128) * 128)
-    ekw = engine_kwargs(max_num_seqs=max_num_seqs, max_model_len=mml, **(engine_overrides or {}))
+    if regime not in REGIMES:
+        raise ValueError(f"regime must be one of {REGIMES}, got {regime!r}")
+    overrides = dict(engine_overrides or {})
+    if regime == "shrinking" and "token_buckets" not in overrides:
+        mnbt = overrides.get("max_num_batched_tokens") or max(128, 4 * max_num_seqs)
+        overrides["token_buckets"] = pow2_buckets(8, mnbt)
+    ekw = engine_kwargs(max_num_seqs=max_num_seqs, max_model_len=mml, **overrides)
     t0 = time.perf_counter()
     loaded = load_any_model(model, dtype, seed)
     engine = LLMEngine(loaded, dtype=dtype, seed=seed, **ekw)
@@ -696,6 +813,7 @@ def run_serving(model: str = "smollm2-135m", *, workloads: Sequence[str] = ("mix
     report = {"model": model, "engine_config": _config_dict(engine.config), "load_s": load_s, "warmup_s": warm,
               "num_buckets": len(buckets), "compilations_at_warmup": engine.num_compilations,
               "max_num_seqs": max_num_seqs, "request_rate": request_rate, "seed": seed, "quick": quick,
+              "regime": regime,
               "workloads": {}, "_results": {}}
     for w in workloads:
         ideal = ideal_ratio([r.max_tokens for r in reqs[w]], max_num_seqs) if request_rate == math.inf else None
@@ -704,17 +822,22 @@ def run_serving(model: str = "smollm2-135m", *, workloads: Sequence[str] = ("mix
         runs: dict[str, list[SystemResult]] = {}
         for rep in range(repeats):
             for system in (systems or DEFAULT_SYSTEMS[w]):
-                if system == "hf":
+                if system in ("hf", "hf-cb"):   # the PyTorch peers run once: a per-step cost, not a policy
                     if rep:
                         continue
                     if hf_model is None:
                         t0 = time.perf_counter()
                         hf_model = load_hf_model(_checkpoint_path(model))
                         report["hf_load_s"] = time.perf_counter() - t0
-                    tok = engine.tokenizer
-                    pad = getattr(tok, "pad_token_id", None)
-                    pad = pad if pad is not None else min(engine.eos_token_ids)
-                    res = run_hf(hf_model, reqs[w], max_num_seqs, pad_token_id=pad, workload=w, progress=progress)
+                    cfg = engine.config
+                    if system == "hf":
+                        pad = getattr(engine.tokenizer, "pad_token_id", None)
+                        pad = pad if pad is not None else min(engine.eos_token_ids)
+                        res = run_hf(hf_model, reqs[w], max_num_seqs, pad_token_id=pad, workload=w, progress=progress)
+                    else:
+                        res = run_hf_cb(hf_model, reqs[w], max_num_seqs, block_size=cfg.block_size,
+                                        num_blocks=cfg.num_blocks - 1, max_batch_tokens=cfg.max_num_batched_tokens,
+                                        workload=w, progress=progress)
                 else:
                     res = bench.run(system, reqs[w], workload=w, progress=progress)
                 runs.setdefault(system, []).append(res)
@@ -723,7 +846,8 @@ def run_serving(model: str = "smollm2-135m", *, workloads: Sequence[str] = ("mix
             entry["systems"][res.system] = res.to_dict()
         if repeats > 1:
             entry["repeats"] = repeat_summary(runs)
-        entry["ratios"] = workload_ratios(results, ideal)
+        entry["cost_model"] = cost_model_ideal(results, reqs[w], ekw)
+        entry["ratios"] = workload_ratios(results, ideal, entry["cost_model"])
         report["workloads"][w] = entry
         report["_results"][w] = results
     if capacity:
@@ -910,7 +1034,16 @@ def format_report(report: dict) -> str:
                             if "saturated_continuous_over_static" in r else "")
                          + (f" = {r['saturated_over_perfect']:.2f} of perfect"
                             if "saturated_over_perfect" in r else ""))
-        for key, label in (("continuous_over_hf", "continuous/hf"), ("static_over_hf", "static/hf (per-step cost)"),
+        cm = entry.get("cost_model")
+        if cm:
+            lines.append(f"cost-model ideal ({report.get('regime', 'padded')} regime; step cost fitted here: "
+                         f"{', '.join(f'{k} {v * 1e3:.3g} ms' for k, v in cm['model']['coef'].items())}): "
+                         + "; ".join(f"{s} measured/predicted duration {v['measured_over_predicted']:.2f}"
+                                     for s, v in cm["systems"].items())
+                         + (f"; continuous/static predicted {r['cost_model_ideal']:.2f}x, measured = "
+                            f"{r['measured_over_cost_model_ideal']:.2f} of it" if "cost_model_ideal" in r else ""))
+        for key, label in (("continuous_over_hf", "continuous/hf"), ("continuous_over_hf_cb", "continuous/hf-cb"),
+                           ("static_over_hf", "static/hf (per-step cost)"),
                            ("continuous_over_contiguous", "continuous/contiguous"),
                            ("peak_running_continuous_over_contiguous", "peak running continuous/contiguous"),
                            ("cache_on_over_off", "prefix caching on/off")):
