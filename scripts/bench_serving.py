@@ -8,6 +8,7 @@ reservation (all the same pagedjax engine, the same KV memory) and Hugging Face 
     python scripts/bench_serving.py --workloads random --random-input-len 128 --random-output-len 64
     python scripts/bench_serving.py --request-rate 4    # Poisson arrivals instead of all at once
     python scripts/bench_serving.py --regime shrinking  # decode buckets shrink with the live rows (default: padded)
+    python scripts/bench_serving.py --workloads mixed --num-requests 96 --output-mean 96 --output-cap 384  # long tail
 
 Default workloads and systems: mixed (continuous, static, contiguous, hf, hf-cb), similar (continuous,
 static), shared-prefix with a 512-token system prompt (continuous with prefix caching on and off);
@@ -51,6 +52,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="fewer requests, a 128-token shared prefix")
     p.add_argument("--prefix-len", type=int, default=None, help="shared-prefix: system prompt tokens (default 512)")
+    p.add_argument("--output-mean", type=int, default=None, help="mixed: mean of the exponential output lengths (32)")
+    p.add_argument("--output-cap", type=int, default=None, help="mixed: the longest output (192)")
     p.add_argument("--random-input-len", type=int, default=None)
     p.add_argument("--random-output-len", type=int, default=None)
     p.add_argument("--random-range-ratio", type=float, default=None)
@@ -75,7 +78,10 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     systems = [s.strip() for s in args.systems.split(",")] if args.systems else None
-    knobs = {"shared-prefix": {}, "random": {}}
+    knobs = {"shared-prefix": {}, "random": {}, "mixed": {}}
+    for flag, key in (("output_mean", "output_mean"), ("output_cap", "output_cap")):
+        if getattr(args, flag) is not None:
+            knobs["mixed"][key] = getattr(args, flag)
     if args.prefix_len is not None:
         knobs["shared-prefix"]["prefix_len"] = args.prefix_len
     for flag, key in (("random_input_len", "input_len"), ("random_output_len", "output_len"),
