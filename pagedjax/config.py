@@ -36,6 +36,7 @@ class EngineConfig:
     seq_buckets: tuple[int, ...] | None = None     # padded sizes of a step's sequence count S
     page_buckets: tuple[int, ...] | None = None    # padded widths of the block tables handed to attention
     tensor_parallel_size: int = 1          # devices the heads and the KV pool are split over (pagedjax.parallel)
+    kv_cache_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"   # "auto": the model's dtype
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -65,6 +66,8 @@ class EngineConfig:
              "'auto', 'pallas', 'reference', 'native' or 'jnp'")
         need(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1, "tensor_parallel_size",
              "an int >= 1")
+        need(self.kv_cache_dtype in ("auto", "bfloat16", "float16", "float32"), "kv_cache_dtype",
+             "'auto' (the model's dtype), 'bfloat16', 'float16' or 'float32' (attention accumulates in float32)")
         if self.token_buckets is None:
             self.token_buckets = pow2_buckets(min(8, self.max_num_batched_tokens), self.max_num_batched_tokens)
         if self.seq_buckets is None:

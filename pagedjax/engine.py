@@ -17,6 +17,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from pagedjax.attention import resolve_backend
@@ -78,6 +79,7 @@ class LLMEngine:
         self.packer = BatchPacker(config)
         self.logits_packer = LogitsPacker(mc.vocab_size, config.max_model_len)
         self.runner = ModelRunner(mc, params, config, num_blocks, num_host_blocks=num_host,
+                                  kv_dtype=None if config.kv_cache_dtype == "auto" else config.kv_cache_dtype,
                                   num_logprobs=max_logprobs, logits_hook=logits_hook)
         self.max_logprobs = max_logprobs
         self.eos_token_ids = set(mc.eos_token_ids)
@@ -105,7 +107,8 @@ class LLMEngine:
         cfg, mc = self.config, self.model_config
         # per device: with tensor_parallel_size N each device holds num_kv_heads / N of every block
         tp = cfg.tensor_parallel_size
-        per_block = 2 * mc.num_layers * (mc.num_kv_heads // tp) * cfg.block_size * mc.head_dim * self.dtype.itemsize
+        kv_itemsize = self.dtype.itemsize if cfg.kv_cache_dtype == "auto" else np.dtype(jnp.dtype(cfg.kv_cache_dtype)).itemsize
+        per_block = 2 * mc.num_layers * (mc.num_kv_heads // tp) * cfg.block_size * mc.head_dim * kv_itemsize
         dev = jax.devices()[0]
         stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
         if dev.platform == "cpu" or not stats or "bytes_limit" not in stats:

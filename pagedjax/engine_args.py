@@ -57,7 +57,6 @@ NO_EFFECT: dict[str, str] = {
 CHECKED: dict[str, tuple[tuple[Any, ...], str]] = {
     "quantization": ((None, "gguf"), "None (the weights as stored; a quantized GGUF file is dequantized on "
                                      "load) or 'gguf'"),
-    "kv_cache_dtype": (("auto",), "'auto' (the KV cache is kept in the model's dtype)"),
     "load_format": (("auto", "safetensors", "gguf"), "'auto', 'safetensors' or 'gguf' (the loader reads "
                                                      "*.safetensors directories and .gguf files)"),
     "pipeline_parallel_size": ((1,), "1 (tensor_parallel_size splits a model over devices)"),

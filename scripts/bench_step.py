@@ -211,6 +211,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="the KV pool's dtype: auto (the model's), bfloat16, ...")
     ap.add_argument("--processors", action="store_true", help="also time the logits processors off and on")
     ap.add_argument("--json", default="results/bench_step.json")
     args = ap.parse_args()
@@ -230,6 +231,7 @@ def main() -> int:
     max_model_len = max(512, -(-reach // 128) * 128)
     eng = LLMEngine(args.model, dtype=args.dtype, max_num_seqs=max_b, max_num_batched_tokens=budget,
                     max_model_len=max_model_len, attention_backend=args.attention_backend, enable_prefix_caching=False,
+                    kv_cache_dtype=args.kv_cache_dtype,
                     token_buckets=tuple(sorted(set(args.batch) | {budget})), seq_buckets=tuple(sorted(set(args.batch))),
                     page_buckets=tuple(sorted({8, 16, 32, max_model_len // 16})))
     buckets = eng.buckets()
@@ -291,7 +293,7 @@ def main() -> int:
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "backend": eng.backend, "warmup_s": warm, "buckets": len(buckets),
+            json.dump({"model": args.model, "backend": eng.backend, "kv_cache_dtype": args.kv_cache_dtype, "warmup_s": warm, "buckets": len(buckets),
                        "compilations": eng.num_compilations, "rows": rows}, f, indent=2)
     return 0
 

@@ -27,6 +27,17 @@ def _finite(new, dtype):
     return jnp.where(jnp.isfinite(new), new, 0).astype(dtype)
 
 
+def _bits(x: jax.Array) -> jax.Array:
+    """A 16-bit float array viewed as uint16 (anything else as it is). XLA on a CPU has no native
+    bfloat16 arithmetic: a scatter into a bfloat16 pool converts the whole pool to float32 and
+    back every step, while the same scatter over its bits moves only the written rows."""
+    return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype.itemsize == 2 else x
+
+
+def _unbits(x: jax.Array, dtype) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x, dtype) if x.dtype != dtype else x
+
+
 def write_kv(cache: jax.Array, new: jax.Array, slot_mapping: jax.Array) -> jax.Array:
     """Scatter new K or V into the paged cache at flat slots; slot -1 rows are dropped.
 
@@ -34,12 +45,12 @@ def write_kv(cache: jax.Array, new: jax.Array, slot_mapping: jax.Array) -> jax.A
     (the whole stack after a layer loop: [L, T, KVH, D] into [L, KVH, ...]).
     """
     *lead, kvh, nb, bs, d = cache.shape
-    flat = cache.reshape(*lead, kvh, nb * bs, d)
+    flat = _bits(cache).reshape(*lead, kvh, nb * bs, d)
     # -1 would wrap around to the last slot under numpy indexing rules: send it out of range instead,
     # where mode="drop" discards it.
     slots = jnp.where(slot_mapping < 0, nb * bs, slot_mapping)
-    flat = flat.at[..., slots, :].set(jnp.swapaxes(_finite(new, cache.dtype), -3, -2), mode="drop")
-    return flat.reshape(cache.shape)
+    flat = flat.at[..., slots, :].set(jnp.swapaxes(_bits(_finite(new, cache.dtype)), -3, -2), mode="drop")
+    return _unbits(flat.reshape(cache.shape), cache.dtype)
 
 
 def write_layer(cache: jax.Array, layer: jax.Array, new: jax.Array, slot_mapping: jax.Array) -> jax.Array:
@@ -52,5 +63,6 @@ def write_layer(cache: jax.Array, layer: jax.Array, new: jax.Array, slot_mapping
     # one head_dim row per (token, kv head): a scatter whose window is the minor dimension alone
     # leaves the pool in its row-major layout, the one the Pallas kernels read
     heads = jnp.tile(jnp.arange(kvh, dtype=jnp.int32), t)
-    rows = _finite(new, cache.dtype).reshape(t * kvh, d)
-    return cache.at[layer, heads, jnp.repeat(block, kvh), jnp.repeat(offset, kvh), :].set(rows, mode="drop")
+    rows = _bits(_finite(new, cache.dtype)).reshape(t * kvh, d)
+    out = _bits(cache).at[layer, heads, jnp.repeat(block, kvh), jnp.repeat(offset, kvh), :].set(rows, mode="drop")
+    return _unbits(out, cache.dtype)
