@@ -83,23 +83,19 @@ def fit_cpu_model(args, quick: bool) -> tuple[dict, StepCostModel]:
     bench = EngineBench(loaded, cpu_engine_kwargs(quick))
     n = 16 if quick else 32   # short runs, repeated 5 times in turn: medians over the machine's drift
     # the fit spans short and long contexts (the context term is not identified by short ones)
-    fit = {"mixed, offline": paper_make("mixed", n, V, 1, None, make_workload),
+    fit = {"mixed, offline": make_workload("mixed", n, V, seed=1),
            "random 192 in / 96 out, 1.5 req/s": make_workload("random", n // 2, V, seed=2, request_rate=1.5,
                                                               input_len=192, output_len=96)}
     i, o = paper.fitted_lengths("sharegpt", n, seed=3)
     test = {"ShareGPT-like lengths / 8, 2 req/s": paper.requests_from_lengths(
                 np.maximum(i // 8, 4), np.maximum(o // 8, 2), request_rate=2.0, seed=3, vocab_size=V, name="sharegpt8"),
-            "similar, 6 req/s": paper_make("similar", n, V, 4, 6.0, make_workload)}
+            "similar, 6 req/s": make_workload("similar", n, V, seed=4, request_rate=6.0)}
     if quick:
         test.pop("similar, 6 req/s")
     report = paper.validation_study(bench, fit, test, repeats=1 if quick else 5)
     report["model_name"] = args.model
     report["engine"] = {k: v for k, v in bench.engine_args.items() if not isinstance(v, tuple)}
     return report, StepCostModel.from_dict(report["model"])
-
-
-def paper_make(name, n, vocab, seed, rate, make_workload):
-    return make_workload(name, n, vocab, seed=seed, **({} if rate is None else {"request_rate": rate}))
 
 
 def cpu_model(args) -> StepCostModel:
