@@ -86,7 +86,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=250)
     ap.add_argument("--prompts", type=int, default=8, help="prompts per step")
     ap.add_argument("--group", type=int, default=8, help="samples per prompt (n)")
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--clip", type=float, default=0.2)
     ap.add_argument("--kl", type=float, default=0.0, help="KL penalty to the initial policy (0: off)")
     ap.add_argument("--eval-prompts", type=int, default=64)

@@ -58,3 +58,64 @@ def test_resample_keeps_greedy_rows_and_draws_within_top_k():
     np.testing.assert_allclose(both[1], logprob, rtol=1e-6)
     only_greedy = sample(logits, jnp.zeros(S), *args[1:])
     np.testing.assert_array_equal(only_greedy[0], g)
+
+
+def kept_by_sorting(scaled, top_k, top_p, min_p):
+    """The filters as their definitions read, with a sort (numpy, float64 cumulative mass)."""
+    S, V = scaled.shape
+    out = np.zeros((S, V), bool)
+    for r in range(S):
+        order = np.argsort(-scaled[r], kind="stable")
+        x = scaled[r, order].astype(np.float64)
+        keep = np.ones(V, bool) if top_k[r] <= 0 else np.arange(V) < top_k[r]
+        p = np.where(keep, np.exp(x - x[0]), 0.0)
+        p /= p.sum()
+        keep &= np.cumsum(p) - p < top_p[r]
+        keep &= p >= min_p[r] * p[0]
+        keep[0] = True
+        out[r, order[keep]] = True
+    return out
+
+
+def test_filters_keep_what_their_definitions_keep():
+    """top-k, top-p over the top-k distribution, min-p: the thresholds read off the candidates
+    and, past them, found by bisection keep exactly the tokens a sort keeps."""
+    from pagedjax.sampling import CANDIDATES, kept
+
+    rng = np.random.default_rng(3)
+    S, V = 12, 3000
+    scaled = (rng.standard_normal((S, V)) * rng.uniform(0.3, 6, (S, 1))).astype(np.float32)
+    top_k = np.array([0, 1, 5, 40, CANDIDATES, CANDIDATES + 1, 1000, 0, 0, 0, 20, V], np.int32)
+    top_p = np.array([1, 1, 0.9, 0.5, 1, 1, 0.95, 0.99, 0.3, 1, 0.8, 0.999], np.float32)  # 0.99 on a flat row: bisection
+    min_p = np.array([0, 0, 0, 0, 0, 0, 0, 0, 0.1, 0.05, 0.2, 0], np.float32)
+    got = np.asarray(kept(jnp.asarray(scaled), jnp.asarray(top_k), jnp.asarray(top_p), jnp.asarray(min_p)))
+    want = kept_by_sorting(scaled, top_k, top_p, min_p)
+    assert (want.sum(-1) > CANDIDATES).any()  # some rows reach past the candidates
+    np.testing.assert_array_equal(got.sum(-1), want.sum(-1))
+    np.testing.assert_array_equal(got, want)
+
+
+def test_draws_follow_the_filtered_distribution():
+    """20,000 seeded draws from one row: every token drawn is kept, and the frequencies match the
+    renormalised kept probabilities (total variation within 1.5x what exact draws give on average)."""
+    from pagedjax.sampling import _sample_random
+
+    rng = np.random.default_rng(4)
+    V, N = 700, 20000
+    logits = np.tile(rng.standard_normal(V).astype(np.float32) * 2, (N, 1))
+    for top_k, top_p, min_p in ((0, 1.0, 0.0), (30, 0.9, 0.0), (0, 0.8, 0.02)):
+        args = [jnp.full(N, x, dt) for x, dt in ((0.7, jnp.float32), (top_k, jnp.int32), (top_p, jnp.float32),
+                                                   (min_p, jnp.float32))]
+        seeds = jnp.stack([jnp.arange(N, dtype=jnp.uint32), jnp.zeros(N, jnp.uint32)], -1)
+        tokens = np.asarray(_sample_random(jnp.asarray(logits), *args, seeds, jnp.zeros(N, jnp.int32)))
+        scaled = logits[:1] / 0.7
+        keep = kept_by_sorting(scaled, [top_k], [top_p], [min_p])[0]
+        assert keep[tokens].all()
+        p = np.where(keep, np.exp(scaled[0] - scaled[0].max()), 0.0)
+        p /= p.sum()
+        freq = np.bincount(tokens, minlength=V) / N
+        expected = 0.5 * np.sqrt(2 / np.pi) * np.sum(np.sqrt(p * (1 - p) / N))   # TV of exact draws, on average
+        assert 0.5 * np.abs(freq - p).sum() < 1.5 * expected + 0.002, (top_k, top_p, min_p, expected)
+        # the same seeds draw the same tokens
+        np.testing.assert_array_equal(
+            np.asarray(_sample_random(jnp.asarray(logits), *args, seeds, jnp.zeros(N, jnp.int32))), tokens)
