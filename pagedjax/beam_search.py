@@ -42,7 +42,8 @@ def beam_search(engine, prompts, params: BeamSearchParams) -> list[BeamSearchOut
         raise ValueError(f"beam_width ({k}) needs 2 x beam_width <= max_logprobs ({engine.max_logprobs})")
     if k > engine.config.max_num_seqs:
         raise ValueError(f"beam_width ({k}) exceeds max_num_seqs ({engine.config.max_num_seqs})")
-    return [_search(engine, p, params) for p in ([prompts] if isinstance(prompts, (str, dict)) else list(prompts))]
+    with engine.synchronous():  # the search picks each token before the next step reads it
+        return [_search(engine, p, params) for p in ([prompts] if isinstance(prompts, (str, dict)) else list(prompts))]
 
 
 def _search(eng, prompt, params: BeamSearchParams) -> BeamSearchOutput:

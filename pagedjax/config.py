@@ -37,6 +37,7 @@ class EngineConfig:
     page_buckets: tuple[int, ...] | None = None    # padded widths of the block tables handed to attention
     tensor_parallel_size: int = 1          # devices the heads and the KV pool are split over (pagedjax.parallel)
     kv_cache_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"   # "auto": the model's dtype
+    async_scheduling: bool = False         # schedule step N+1 on the host while step N runs (LLMEngine.step)
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -64,6 +65,7 @@ class EngineConfig:
              "'max', 'pow2' or 'oracle' ('max_model_len' and 'request' are the older names of 'max' and 'oracle')")
         need(self.attention_backend in ("auto", "pallas", "reference", "native", "jnp"), "attention_backend",
              "'auto', 'pallas', 'reference', 'native' or 'jnp'")
+        need(isinstance(self.async_scheduling, bool), "async_scheduling", "True or False")
         need(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1, "tensor_parallel_size",
              "an int >= 1")
         need(self.kv_cache_dtype in ("auto", "bfloat16", "float16", "float32"), "kv_cache_dtype",

@@ -2,14 +2,17 @@
 
 One request's path: `LLM.generate` (pagedjax.llm) -> `LLMEngine.add_request` (tokenize, validate,
 seed) -> `Scheduler.add_request`; then each `LLMEngine.step()`: `Scheduler.schedule()` decides the
-step, `BatchPacker.pack()` fills the fixed-shape StepInput, `ModelRunner.execute()` runs the
-jitted step (model, attention, sampling), `Scheduler.update_from_output()` appends the sampled
-tokens, finishes requests and frees their blocks, and the engine turns them into
-`RequestOutput`s (pagedjax.outputs).
+step, `BatchPacker.pack()` fills the fixed-shape StepInput, `ModelRunner.dispatch()` starts the
+jitted step (model, attention, sampling) and `Scheduler.advance()` counts its tokens as computed;
+`ModelRunner.fetch()` waits for the sampled tokens, `Scheduler.resolve()` appends them, finishes
+requests and frees their blocks, and the engine turns them into `RequestOutput`s
+(pagedjax.outputs). With async scheduling, the next step is scheduled between the two halves.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import random
 import time
@@ -30,14 +33,24 @@ from pagedjax.output_processor import OutputProcessor
 from pagedjax.outputs import RequestOutput
 from pagedjax.pallas.common import check_supported, device_limits
 from pagedjax.parallel import check_tensor_parallel, param_bytes_per_device
-from pagedjax.runner import ModelRunner
+from pagedjax.runner import Dispatched, ModelRunner
 from pagedjax.sampling_params import SamplingParams
 from pagedjax.scheduler.batch import BatchPacker
 from pagedjax.scheduler.logits_inputs import LogitsPacker
+from pagedjax.scheduler.output import SchedulerOutput
 from pagedjax.scheduler.scheduler import Scheduler
 from pagedjax.scheduler.sequence import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A launched step: what was scheduled, the device's handle, its timings so far."""
+
+    out: SchedulerOutput
+    handle: Dispatched
+    timing: StepTiming
 
 
 class LLMEngine:
@@ -95,6 +108,8 @@ class LLMEngine:
         # per step: where the time went and which compiled bucket ran (the scheduler's
         # metrics.steps hold what ran: rows, tokens, KV use, preemptions, prefix hits)
         self.step_timings: list[StepTiming] = []
+        self._overlap = config.async_scheduling
+        self._in_flight: _InFlight | None = None   # the step left running (async scheduling)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -246,38 +261,101 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run and apply one step; returns an output for every request that progressed.
 
-        If the device step raises, the step is rolled back on the host before the exception
+        With `async_scheduling`, the step scheduled here is left running on the device and the
+        one before it is taken back: the host schedules and packs step N+1 while step N runs,
+        N+1 reading N's sampled tokens on the device, and each step's outputs come one call
+        later. Steps whose rows need their tokens on the host first (logits processors, prompt
+        logprobs, a beam search) run synchronously.
+
+        If the device step raises when started, it is rolled back on the host before the exception
         propagates: no token is appended, the blocks allocated for it stay with their requests
-        (their content is recomputed next time), and the engine stays usable."""
+        (their content is recomputed next time), and the engine stays usable. If fetching its
+        results raises, the requests of the lost steps are recomputed from their last good token."""
+        prev, self._in_flight = self._in_flight, None
+        overlap = self._overlap and not any(r.sampling_params.uses_logits_processors or r.skip_prefix_cache
+                                            for r in self.scheduler.requests.values())
+        outputs = []
+        if prev is not None and not overlap:
+            outputs, prev = self._finish(prev), None
+        try:
+            cur = self._launch(prev)
+        except BaseException:
+            self._in_flight = prev
+            raise
+        if prev is not None:
+            outputs = self._finish(prev, also_lost=cur)
+        if cur is not None and overlap:
+            self._in_flight = cur
+        elif cur is not None:
+            outputs += self._finish(cur)
+        return outputs
+
+    def _launch(self, prev: _InFlight | None) -> _InFlight | None:
+        """Schedule a step, pack it and start it on the device (reading prev's tokens there)."""
         sched = self.scheduler
         t0 = time.perf_counter()
         out = sched.schedule()
         if out.is_empty:
             self.step_timings.append(StepTiming(out.step, None, time.perf_counter() - t0, start=t0))
-            return []
+            return None
         t1 = time.perf_counter()
         step = self.packer.pack(out, sched.kv)
         t2 = time.perf_counter()
         procs = self.logits_packer.pack(out, step.bucket[1])
         try:
-            tokens, logprob, rank, top_ids, top_lps, errors = self.runner.execute(out, step, procs)
+            handle = self.runner.dispatch(out, step, procs, feed=None if prev is None else prev.handle)
         except BaseException:
-            self.scheduler.rollback_step(out)
+            sched.rollback_step(out)
             raise
         if any(r.skip_prefix_cache for r in out.scheduled):
             self._record_prompt_logprobs(out, step.bucket[0])
+        shape = step_shape(out, step, self.config.block_size)
+        sched.advance(out)
+        return _InFlight(out, handle, StepTiming(out.step, step.bucket, t1 - t0, t2 - t1,
+                                                 time.perf_counter() - t2, shape=shape, start=t0))
+
+    def _finish(self, f: _InFlight, also_lost: _InFlight | None = None) -> list[RequestOutput]:
+        """Wait for a launched step, put its tokens in place and turn them into outputs. If its
+        results are lost, its requests (and those of `also_lost`, which read its tokens) are
+        preempted to be recomputed, and the error propagates."""
+        sched, timing = self.scheduler, f.timing
         t3 = time.perf_counter()
-        lps = None
-        if any(r.sampling_params.logprobs is not None for r in out.scheduled):
-            lps = [(float(logprob[i]), top_ids[i].tolist(), top_lps[i].tolist(), int(rank[i]))
-                   for i in range(out.num_rows)]
-        changed = sched.update_from_output(out, tokens, logprobs=lps, errors=errors)
+        try:
+            tokens, logprob, rank, top_ids, top_lps, errors = self.runner.fetch(f.handle)
+        except BaseException:
+            for lost in (f, also_lost):
+                for req in (lost.out.scheduled if lost is not None else ()):
+                    if req.request_id in sched.requests:
+                        sched.recompute_request(req.request_id)
+            raise
         t4 = time.perf_counter()
+        lps = None
+        if any(r.sampling_params.logprobs is not None for r in f.out.scheduled):
+            lps = [(float(logprob[i]), top_ids[i].tolist(), top_lps[i].tolist(), int(rank[i]))
+                   for i in range(f.out.num_rows)]
+        changed = sched.resolve(f.out, tokens, logprobs=lps, errors=errors)
+        t5 = time.perf_counter()
         outputs = self.output_processor.process(
             changed, lambda rid: sched.finish_request(rid, RequestStatus.FINISHED_STOPPED))
-        self.step_timings.append(StepTiming(out.step, step.bucket, t1 - t0, t2 - t1, t3 - t2, t4 - t3,
-                                            time.perf_counter() - t4, step_shape(out, step, self.config.block_size), t0))
+        timing.execute += t4 - t3
+        timing.update, timing.outputs = t5 - t4, time.perf_counter() - t5
+        self.step_timings.append(timing)
         return outputs
+
+    @property
+    def step_in_flight(self) -> bool:
+        """A step is running on the device whose tokens the next `step()` takes back (async scheduling)."""
+        return self._in_flight is not None
+
+    @contextlib.contextmanager
+    def synchronous(self):
+        """Inside: every step's tokens are back before the next step is scheduled (a caller that
+        changes tokens between steps, as a beam search does, needs this under async scheduling)."""
+        saved, self._overlap = self._overlap, False
+        try:
+            yield self
+        finally:
+            self._overlap = saved
 
     def _record_prompt_logprobs(self, out, T: int) -> None:
         """Append to each prefilling request that asks for prompt logprobs those of the prompt

@@ -220,3 +220,21 @@ class MetricsRecorder:
     def to_dict(self) -> dict:
         return {"requests": self.request_summary(), "steps": self.step_summary(),
                 "finished": [dict(asdict(r), ttft=r.ttft, tpot=r.tpot, e2e=r.e2e) for r in self.finished]}
+
+
+def step_stats(scheduler, out, now: float) -> StepStats:
+    """What a scheduler has just scheduled (`out`), and its queues and KV use, as a StepStats."""
+    usage = scheduler.kv.usage()
+    occupancy = [None] * scheduler.config.max_num_seqs
+    for req in out.scheduled:
+        seat = scheduler.seats.get(req.request_id)
+        if seat is not None:
+            occupancy[seat] = req.request_id
+    return StepStats(
+        step=out.step, time=now, num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+        num_swapped=len(scheduler.swapped), num_prefill_tokens=out.num_prefill_tokens,
+        num_decode_tokens=out.num_decode_tokens, num_rows=out.num_rows,
+        used_blocks=usage.used_blocks, allocated_slots=usage.allocated_slots,
+        real_tokens=usage.real_tokens, kv_utilization=usage.utilization, kv_usage=usage.usage,
+        num_preempted=len(out.preempted), prefix_query_tokens=out.prefix_query_tokens,
+        prefix_hit_tokens=out.prefix_hit_tokens, occupancy=occupancy)

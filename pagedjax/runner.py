@@ -22,6 +22,7 @@ shardings (the Pallas backend holds the mesh too and runs its kernel under shard
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -34,9 +35,9 @@ import numpy as np
 from pagedjax import parallel
 from pagedjax.attention import init_kv_cache, make_attention, resolve_backend
 from pagedjax.config import EngineConfig
+from pagedjax.logits_processors import apply_logits_processors
 from pagedjax.model.llama import ModelConfig, compute_logits, forward
 from pagedjax.pallas.common import DeviceLimits, device_limits
-from pagedjax.logits_processors import apply_logits_processors
 from pagedjax.sampling import greedy, logprob_and_rank, resample, sample_processed
 from pagedjax.scheduler.batch import SamplingInputs, StepInput, step_fields
 from pagedjax.scheduler.logits_inputs import LogitsInputs
@@ -77,7 +78,9 @@ def _keep_pool_sharding(kv_cache, mesh):
 def _step_fn(params, kv_cache, step: StepInput, *, cfg, attention, num_logprobs, logits_hook, mesh=None,
              unroll=False):
     _trace()
-    hidden, kv_cache = forward(params, cfg, step.token_ids, step.positions, kv_cache, step.attention, attention,
+    # tokens the previous step sampled, which the host did not have when it packed this one
+    token_ids = jnp.where(step.token_source >= 0, step.prev_tokens[jnp.maximum(step.token_source, 0)], step.token_ids)
+    hidden, kv_cache = forward(params, cfg, token_ids, step.positions, kv_cache, step.attention, attention,
                                unroll=unroll)
     kv_cache = _keep_pool_sharding(kv_cache, mesh)
     logits = compute_logits(params, cfg, hidden[step.logits_indices])
@@ -133,6 +136,14 @@ def prompt_logprobs_step(params, hidden, targets, *, cfg, num_logprobs):
     return logprob, rank, top_ids.astype(jnp.int32), top_lps
 
 
+@functools.partial(jax.jit, static_argnames=("rows",))
+def _feed_fn(tokens, *, rows):
+    """A step's sampled tokens int32[S] as the next step's prev_tokens int32[rows] (one shape for
+    every S, so the step compiles once per bucket). One compilation per row bucket S."""
+    _trace()
+    return jnp.zeros(rows, jnp.int32).at[:tokens.shape[0]].set(tokens)
+
+
 @functools.partial(jax.jit, static_argnames=("mesh",), donate_argnums=(0,))
 def _copy_fn(kv_cache, pairs, *, mesh=None):
     _trace()
@@ -161,6 +172,14 @@ def make_step(cfg: ModelConfig, *, backend: str, num_logprobs: int = 0, logits_h
     attention = make_attention(backend, limits=limits or device_limits(), mesh=mesh)
     return functools.partial(_step_fn, cfg=cfg, attention=attention, num_logprobs=num_logprobs,
                              logits_hook=logits_hook, mesh=mesh, unroll=unroll)
+
+
+@dataclasses.dataclass
+class Dispatched:
+    """A step started on the device: its results (device arrays, not waited for) and real rows."""
+
+    results: tuple
+    num_rows: int
 
 
 class ModelRunner:
@@ -196,6 +215,8 @@ class ModelRunner:
         self.logits_hook = logits_hook
         self.compile_seconds = 0.0
         self.last_hidden = None   # the last step's hidden states, for prompt logprobs
+        self._no_feed: dict[int, jax.Array] = {}   # prev_tokens of a step fed by none
+        self._compiled: dict[tuple[int, int, int], Any] = {}   # the step compiled ahead of time, by bucket
         self._step = make_step(model_config, backend=self.backend, num_logprobs=num_logprobs,
                                logits_hook=logits_hook, mesh=self.mesh)
         self._copy, self._gather, self._scatter = _copy_fn, _gather_fn, _scatter_fn
@@ -234,8 +255,17 @@ class ModelRunner:
         jax.block_until_ready(self.params)
         return time.perf_counter() - t0
 
-    def _inputs(self, step: StepInput):
-        """Step inputs, replicated on the mesh (one block table serves every shard)."""
+    def _inputs(self, step, prev_tokens=None):
+        """Step inputs, replicated on the mesh (one block table serves every shard). A StepInput's
+        prev_tokens always travel as a device array (one compiled program for both kinds of
+        step): the previous step's sampled tokens, or zeros."""
+        if isinstance(step, StepInput):
+            rows = step.prev_tokens.shape[0]
+            if prev_tokens is not None:
+                step.prev_tokens = _feed_fn(prev_tokens, rows=rows)
+            else:
+                zeros = self._no_feed.get(rows)
+                step.prev_tokens = self._no_feed[rows] = jnp.zeros(rows, jnp.int32) if zeros is None else zeros
         if self.mesh is None:
             return step
         return jax.device_put(step, parallel.replicated(self.mesh))
@@ -246,9 +276,15 @@ class ModelRunner:
         return _Counter.value
 
     def execute(self, out: SchedulerOutput, step: StepInput, procs: LogitsInputs | None = None):
-        """Apply the step's swaps and copies, run it, apply the copies owed after it, and return host arrays:
-        (sampled int32[R], logprob f32[R], rank int32[R], top ids [R, K], top logprobs [R, K], errors bool[R]).
-        procs: the rows' logits-processor inputs, None when no row uses one."""
+        """Run one step and wait for it: `fetch(dispatch(...))`."""
+        return self.fetch(self.dispatch(out, step, procs))
+
+    def dispatch(self, out: SchedulerOutput, step: StepInput, procs: LogitsInputs | None = None,
+                 feed: Dispatched | None = None) -> Dispatched:
+        """Apply the step's swaps and copies and start it on the device, without waiting for it
+        (JAX dispatches asynchronously); `fetch` waits for its results. procs: the rows'
+        logits-processor inputs, None when no row uses one. feed: the step dispatched before
+        this one, whose sampled tokens replace the tokens marked in step.token_source."""
         if out.swap_out:
             self.swap_out(out.swap_out)
         if out.swap_in:
@@ -258,8 +294,9 @@ class ModelRunner:
         host = step.copy()  # the packer rewrites its buffers next step
         n_before = self.num_compilations
         t0 = time.perf_counter()
-        inputs = self._inputs(host)
-        results, logits, self.kv_cache, self.last_hidden = self._step(self.params, self.kv_cache, inputs)
+        inputs = self._inputs(host, None if feed is None else feed.results[0])
+        step_fn = self._compiled.get(host.bucket, self._step)
+        results, logits, self.kv_cache, self.last_hidden = step_fn(self.params, self.kv_cache, inputs)
         random = bool(np.any(host.sampling.temperature > 0))
         if procs is not None:
             results = self._process(results, logits, inputs, self._inputs(procs), random)
@@ -268,11 +305,17 @@ class ModelRunner:
         if out.block_copies_after:
             # contiguous forks copy blocks the step itself has just filled
             self.copy_blocks(out.block_copies_after)
-        tokens, logprob, rank, top_ids, top_lps, finite = jax.device_get(results)
         if self.num_compilations != n_before:
             self.compile_seconds += time.perf_counter() - t0
             logger.info("compiled the step for bucket %s (%d compilations so far)", step.bucket, self.num_compilations)
-        R = out.num_rows
+        return Dispatched(results, out.num_rows)
+
+    @staticmethod
+    def fetch(d: Dispatched):
+        """Wait for a dispatched step; host arrays (sampled int32[R], logprob f32[R], rank int32[R],
+        top ids [R, K], top logprobs [R, K], errors bool[R]) of its R rows."""
+        tokens, logprob, rank, top_ids, top_lps, finite = jax.device_get(d.results)
+        R = d.num_rows
         return tokens[:R], logprob[:R], rank[:R], top_ids[:R], top_lps[:R], ~finite[:R]
 
     @staticmethod
@@ -335,13 +378,22 @@ class ModelRunner:
         t0 = time.perf_counter()
         sampled_rows, prompt_rows = set(), set()
         for T, S, P in buckets:
-            inputs = self._inputs(StepInput.padding(T, S, P))
-            results, logits, self.kv_cache, hidden = self._step(self.params, self.kv_cache, inputs)
+            inputs = self._inputs(StepInput.padding(T, S, P, self.config.seq_buckets[-1]))
+            if self.mesh is None:
+                # compiled (or loaded from the persistent cache) without running it: running the
+                # large buckets once costs seconds; the small calls below take zeros of its outputs
+                compiled = self._step.func.lower(self.params, self.kv_cache, inputs, **self._step.keywords).compile()
+                self._compiled[(T, S, P)] = compiled
+                results, logits, _, hidden = compiled.out_info
+                results, logits, hidden = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), (results, logits, hidden))
+            else:
+                results, logits, self.kv_cache, hidden = self._step(self.params, self.kv_cache, inputs)
             if T not in prompt_rows and max_model_len:  # prompt logprobs: once per token bucket
                 prompt_rows.add(T)
                 jax.block_until_ready(self._prompt_logprobs(hidden, np.zeros(T, np.int32)))
-            if S not in sampled_rows:  # the sampler and the processors compile once per row bucket
+            if S not in sampled_rows:  # the sampler, the processors, the feed compile once per row bucket
                 sampled_rows.add(S)
+                jax.block_until_ready(_feed_fn(results[0], rows=self.config.seq_buckets[-1]))
                 jax.block_until_ready(self._resample(results, logits, inputs))
                 if max_model_len:
                     procs = self._inputs(LogitsInputs.neutral(S, self.cfg.vocab_size, max_model_len))

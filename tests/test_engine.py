@@ -560,27 +560,30 @@ def test_stop_string_ends_generation(crowd_llm):
     assert_pool_clean(crowd_llm.llm_engine)
 
 
-@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("when", ["before", "after", "fetch"])
 def test_keyboard_interrupt_in_step_leaves_engine_usable(llm_ref, monkeypatch, when):
-    """A KeyboardInterrupt raised inside a step (before the device step ran, or after it ran but
-    before its tokens were applied): stepping on gives exactly the uninterrupted tokens; under
-    LLM.generate the call's requests are aborted and the pool is whole again."""
+    """A KeyboardInterrupt raised inside a step (before the device step started, after it started
+    but before it was counted, or while waiting for its tokens): stepping on gives exactly the
+    uninterrupted tokens; under LLM.generate the call's requests are aborted and the pool is
+    whole again."""
     eng = llm_ref.llm_engine
-    prompts = [ids(p) for p in prompts_of(np.random.default_rng(500 if when == "before" else 501), [9, 40, 3])]
+    prompts = [ids(p) for p in prompts_of(np.random.default_rng({"before": 500, "after": 501, "fetch": 502}[when]),
+                                          [9, 40, 3])]
     sp = SamplingParams(temperature=0, max_tokens=10)
     expected = [r.outputs[0].token_ids for r in llm_ref.generate(prompts, sp, use_tqdm=False)]
-    real = eng.runner.execute
+    name = "fetch" if when == "fetch" else "dispatch"
+    real = getattr(eng.runner, name)
     calls = {"n": 0}
 
-    def execute(out, step, procs=None):
+    def execute(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 2:  # the 40-token prompt's second chunk, the 3-token prompt and a decode
-            if when == "after":
-                real(out, step, procs)
+            if when != "before":
+                real(*args, **kwargs)
             raise KeyboardInterrupt
-        return real(out, step, procs)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(eng.runner, "execute", execute)
+    monkeypatch.setattr(eng.runner, name, execute)
     # 1. driving the engine directly: the interrupted step is rolled back and scheduled again
     rids = [eng.add_request(None, p, sp) for p in prompts]
     done = {}

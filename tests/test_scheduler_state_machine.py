@@ -1,7 +1,9 @@
 """A hypothesis state machine over the whole host side, driven as the engine drives it.
 
 Scheduler (with its KVCacheManager) + BatchPacker + SimExecutor(check_kv=True): each `step` is
-schedule -> pack -> execute -> update_from_output, as `sim.simulate` does. Rules add requests
+schedule -> pack -> execute -> update_from_output, as `sim.simulate` does; or, with async
+scheduling (drawn), schedule -> pack -> execute -> advance, then `resolve` of the step before,
+as the engine drives it when the host schedules step N+1 while step N runs. Rules add requests
 (prompts sharing prefixes, n in 1..3, seeds, stop tokens, eos), abort requests in every state
 (waiting, preempted, mid-prefill, decoding, swapped, a forked sample, a whole group by its id,
 even mid-step), finish one early (a stop string), inject a non-finite-logits row, and step. The
@@ -42,7 +44,7 @@ from pagedjax.sampling_params import SamplingParams
 from pagedjax.scheduler.batch import BatchPacker
 from pagedjax.scheduler.kv_cache_manager import cdiv
 from pagedjax.scheduler.scheduler import Scheduler
-from pagedjax.scheduler.sequence import Request, RequestStatus
+from pagedjax.scheduler.sequence import PLACEHOLDER, Request, RequestStatus
 from pagedjax.scheduler.sim import SimExecutor, VirtualClock, run_alone
 from pagedjax.benchmarks.soak import block_problems
 
@@ -84,9 +86,9 @@ class SchedulerMachine(RuleBasedStateMachine):
                 caching=st.booleans(), chunked=st.booleans(), host=st.one_of(st.none(), st.integers(0, 30)),
                 allocation=st.sampled_from(["paged", "paged", "paged", "contiguous"]),
                 reserve=st.sampled_from(["max", "oracle", "pow2", "max_model_len", "request"]),
-                initial=st.lists(REQUEST, min_size=2, max_size=8))
+                asynchronous=st.booleans(), initial=st.lists(REQUEST, min_size=2, max_size=8))
     def setup(self, block_size, max_model_len, pool, max_num_seqs, budget, mode, scheduling, caching,
-              chunked, host, allocation, reserve, initial):
+              chunked, host, allocation, reserve, asynchronous, initial):
         # `pool` x one max_model_len sequence: from too small for the longest requests (refused
         # at the door) to two of them at a time, so preemption is routine
         num_blocks = max(2, round(pool * cdiv(max_model_len, block_size))) + 1
@@ -111,6 +113,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.expected: dict[str, tuple[list[int], str]] = {}
         self.next_id = 0
         self.num_steps = 0
+        self.asynchronous = asynchronous
+        self.in_flight = None   # async: (out, sampled, errors) of the step whose tokens are not back
+        event(f"setup: {'async' if asynchronous else 'sync'} scheduling")
         # every example starts with work (hypothesis' swarm testing may switch `add` off)
         self.add(initial)
 
@@ -142,10 +147,11 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert r.seed not in {m.seed for m in group}, f"{r.request_id} reuses a sibling's seed"
                 self.known[r.request_id] = r
         self._check_step(out, pre_waiting, pre_running, pre_swapped)
-        if had_work:
+        if had_work and self.in_flight is None:
             # every accepted request can run alone, so a step with work always schedules someone
             assert out.scheduled or out.preempted, "scheduler stalled with unfinished requests"
         if out.is_empty:
+            self._resolve()
             return
         for what, happened in (("preempted", out.preempted), ("swapped out", out.swap_out),
                                ("swapped in", out.swap_in), ("copy-on-write", out.block_copies),
@@ -164,7 +170,6 @@ class SchedulerMachine(RuleBasedStateMachine):
             if rows:
                 errors = np.zeros(out.num_rows, bool)
                 errors[rows[pick % len(rows)]] = True
-                self._end([out.scheduled[rows[pick % len(rows)]]], RequestStatus.FINISHED_ERROR)
         elif fault == "abort":
             # an abort that lands while the step runs, in any state (just preempted or swapped
             # out by this step, too): update_from_output must skip a row it ended
@@ -172,7 +177,25 @@ class SchedulerMachine(RuleBasedStateMachine):
             if rid is not None:
                 event(f"abort mid-step: {kind}")
                 self._end(s.abort_request(rid))
-        s.update_from_output(out, sampled, errors=errors, now=self.clock.now)
+        if self.asynchronous:
+            s.advance(out)
+            self._resolve()
+            self.in_flight = (out, sampled, errors)
+        else:
+            self.in_flight = (out, sampled, errors)
+            s.advance(out)
+            self._resolve()
+
+    def _resolve(self) -> None:
+        """Take back the step in flight (async: the one before the step just launched)."""
+        if self.in_flight is None:
+            return
+        out, sampled, errors = self.in_flight
+        self.in_flight = None
+        self.sched.resolve(out, sampled, errors=errors, now=self.clock.now)
+        for row, req in enumerate(out.scheduled):
+            if errors is not None and errors[row] and req.status == RequestStatus.FINISHED_ERROR:
+                self._end([req], RequestStatus.FINISHED_ERROR)
 
     def _check_step(self, out, pre_waiting, pre_running, pre_swapped) -> None:
         s, cfg = self.sched, self.cfg
@@ -191,7 +214,8 @@ class SchedulerMachine(RuleBasedStateMachine):
 
         # running requests first: one left unserved means the budget ran out
         for r in pre_running:
-            if r.status == RUNNING and r.request_id not in scheduled and r.num_computed_tokens < r.num_tokens:
+            if (r.status == RUNNING and r.request_id not in scheduled and r.num_computed_tokens < r.num_tokens
+                    and not r.length_reached):  # (its pending token ends it)
                 assert budget_left == 0, f"running {r.request_id} skipped with {budget_left} budget left"
         # swapped requests resume in FCFS order, and never in a step that preempts
         resumed = [r for r in pre_swapped if r.status == RUNNING]
@@ -306,7 +330,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         bs, n = self.cfg.block_size, r.num_computed_tokens
         pos = np.arange(n)
         got = mem[np.asarray(table, np.int64)[pos // bs] * bs + pos % bs] if n else np.zeros(0, np.int64)
-        assert got.tolist() == r.all_token_ids[:n], f"{r.request_id}: KV content differs from its tokens"
+        want = r.all_token_ids[:n]
+        if r.num_pending:  # a token still in flight is what the step in flight sampled for it
+            out, sampled, _ = self.in_flight
+            want = [int(sampled[r.pending_row]) if t == PLACEHOLDER else t for t in want]
+            assert out.scheduled[r.pending_row] is r
+        assert got.tolist() == want, f"{r.request_id}: KV content differs from its tokens"
 
     def _candidates(self) -> dict[str, list[str]]:
         s = self.sched
@@ -429,6 +458,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                 break
             self._one_step()
             self._check_all()
+        self._resolve()
+        self._check_all()
         assert not self.sched.has_unfinished_requests(), f"not drained in {MAX_DRAIN_STEPS} steps"
 
     @invariant()

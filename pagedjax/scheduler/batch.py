@@ -5,6 +5,11 @@ columns); which requests are in the batch only changes the *values* of these num
 
     StepInput
       token_ids       int32[T]     the step's tokens, rows stacked; padding 0
+      token_source    int32[T]     >= 0: the token is prev_tokens[token_source] instead, a token the
+                                   previous step sampled that the host does not have yet (async
+                                   scheduling); -1 otherwise
+      prev_tokens     int32[R]     the previous step's sampled tokens by row (R: the largest row
+                                   bucket; the runner puts them there on the device)
       positions       int32[T]     each token's position in its sequence; padding 0
       logits_indices  int32[S]     token whose logits row s samples from (a forked sample reads
                                    its parent's last token)
@@ -39,6 +44,7 @@ import numpy as np
 from pagedjax.config import EngineConfig
 from pagedjax.scheduler.kv_cache_manager import KVCacheManager, cdiv
 from pagedjax.scheduler.output import SchedulerOutput
+from pagedjax.scheduler.sequence import PLACEHOLDER
 
 
 def pick_bucket(buckets: tuple[int, ...], n: int, what: str) -> int:
@@ -76,6 +82,8 @@ class StepInput:
     """Everything the jitted step takes besides the weights and the KV pool."""
 
     token_ids: np.ndarray
+    token_source: np.ndarray
+    prev_tokens: np.ndarray
     positions: np.ndarray
     logits_indices: np.ndarray
     attention: AttentionMetadata
@@ -87,11 +95,13 @@ class StepInput:
         return (self.token_ids.shape[0], self.logits_indices.shape[0], self.attention.block_tables.shape[1])
 
     @classmethod
-    def padding(cls, T: int, S: int, P: int) -> StepInput:
-        """A bucket's padding-only inputs: every token writes nowhere, every row is empty."""
+    def padding(cls, T: int, S: int, P: int, R: int | None = None) -> StepInput:
+        """A bucket's padding-only inputs: every token writes nowhere, every row is empty.
+        R: the length of prev_tokens (default S)."""
         i32 = np.int32
         return cls(
-            token_ids=np.zeros(T, i32), positions=np.zeros(T, i32), logits_indices=np.zeros(S, i32),
+            token_ids=np.zeros(T, i32), token_source=np.full(T, -1, i32), prev_tokens=np.zeros(R or S, i32),
+            positions=np.zeros(T, i32), logits_indices=np.zeros(S, i32),
             attention=AttentionMetadata(slot_mapping=np.full(T, -1, i32), block_tables=np.zeros((S, P), i32),
                                         context_lens=np.zeros(S, i32), query_start_loc=np.zeros(S + 1, i32),
                                         num_seqs=np.zeros((), i32)),
@@ -127,7 +137,7 @@ class BatchPacker:
     def _buffers_for(self, T: int, S: int, P: int) -> StepInput:
         buf = self._buffers.get((T, S, P))
         if buf is None:
-            buf = self._buffers[(T, S, P)] = StepInput.padding(T, S, P)
+            buf = self._buffers[(T, S, P)] = StepInput.padding(T, S, P, self.config.seq_buckets[-1])
         return buf
 
     def plan(self, out: SchedulerOutput) -> tuple[tuple[int, int, int], int, list[int]]:
@@ -151,6 +161,7 @@ class BatchPacker:
 
         # padding: tokens write nowhere, rows read the null block and sample nothing
         buf.token_ids[n_tokens:] = 0
+        buf.token_source.fill(-1)
         buf.positions[n_tokens:] = 0
         a.slot_mapping[n_tokens:] = -1
         a.block_tables.fill(0)
@@ -172,12 +183,18 @@ class BatchPacker:
             qsl.append(q)
             start = req.num_computed_tokens
             if n == 1:  # the decode fast path
-                tok.append(req.all_token_ids[start])
+                t = req.all_token_ids[start]
+                if t == PLACEHOLDER:  # sampled by the step still running: taken from its output
+                    buf.token_source[q] = req.pending_row
+                tok.append(t)
                 pos.append(start)
                 slot.append(table[start // bs] * bs + start % bs)
             elif n:
                 p = np.arange(start, start + n, dtype=np.int32)
-                tok.extend(req.all_token_ids[start:start + n])
+                chunk = req.all_token_ids[start:start + n]
+                if req.num_pending and PLACEHOLDER in chunk:
+                    raise RuntimeError(f"request {req.request_id!r}: a chunk of {n} tokens holds an unsampled token")
+                tok.extend(chunk)
                 pos.extend(p.tolist())
                 slot.extend((np.asarray(table, np.int32)[p // bs] * bs + p % bs).tolist())
             q += n

@@ -240,7 +240,7 @@ class KVCacheManager:
         step's K/V after its layer loop, so a request must not read, in the same step, a block
         another request is filling."""
         req_id = request.request_id
-        known = min(total, len(request.all_token_ids))
+        known = min(total, len(request.all_token_ids) - getattr(request, "num_pending", 0))  # not placeholders
         start = self.num_cached_blocks[req_id]
         n_full = known // self.block_size
         if n_full <= start:

@@ -38,7 +38,9 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled and not self.swap_out
+        """Nothing for the device: no row and no block to move (a swap-in whose request gets no
+        row this step, its next block not free yet, must still be copied back)."""
+        return not (self.scheduled or self.swap_out or self.swap_in or self.block_copies or self.block_copies_after)
 
     def add_row(self, req: Request, num_new: int, sample_from: int | None = None) -> None:
         """Row i of the step: `req` computes `num_new` tokens and samples from row `sample_from`

@@ -29,8 +29,9 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from pagedjax.config import EngineConfig
-from pagedjax.metrics import MetricsRecorder, StepStats
-from pagedjax.scheduler.kv_cache_manager import KVCacheManager, cdiv
+from pagedjax.metrics import MetricsRecorder, step_stats
+from pagedjax.scheduler.admission import check_request
+from pagedjax.scheduler.kv_cache_manager import KVCacheManager
 from pagedjax.scheduler.output import SchedulerOutput
 from pagedjax.scheduler.sequence import Request, RequestStatus, derive_seed
 
@@ -69,36 +70,9 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         """Accept a request or refuse it at once; a request that could never run is refused
         here rather than left waiting forever."""
-        cfg = self.config
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use by an unfinished request")
-        for sep, what in (("#", "sample k of an n > 1 request"), ("~", "beam k of a beam search")):
-            if sep in req.request_id:
-                # a collision would give two requests one block table
-                raise ValueError(f"request_id {req.request_id!r} must not contain {sep!r}: 'id{sep}k' is "
-                                 f"reserved for {what}")
-        if req.num_prompt_tokens < 1:
-            raise ValueError("prompt must contain at least 1 token")
-        if req.num_prompt_tokens >= cfg.max_model_len:
-            raise ValueError(f"The decoder prompt (length {req.num_prompt_tokens}) is longer than the maximum model length "
-                             f"of {cfg.max_model_len} less the one token it must generate (max_model_len)")
-        # as vLLM: a request generates up to max_tokens, or until it fills max_model_len ("length")
-        room = cfg.max_model_len - req.num_prompt_tokens
-        asked = req.sampling_params.max_tokens
-        req.max_tokens = room if asked is None else min(asked, room)
-        if req.sampling_params.n > cfg.max_num_seqs:
-            raise ValueError(f"n ({req.sampling_params.n}) exceeds max_num_seqs ({cfg.max_num_seqs})")
-        # a request must be able to run to max_tokens alone, or preemption could never help it
-        usable = self.num_blocks - 1
-        if self.kv.contiguous:
-            need = self.kv.reservation(req) * req.sampling_params.n
-            what = f"its contiguous reservation (x n={req.sampling_params.n})"
-        else:
-            need = cdiv(req.max_num_tokens, cfg.block_size)
-            what = "prompt + max_tokens"
-        if need > usable:
-            raise ValueError(f"{what} needs {need} KV blocks but the pool has only {usable} "
-                             f"(num_blocks={self.num_blocks}, block_size={cfg.block_size})")
+        check_request(req, self.config, self.kv, self.num_blocks)
         req.status = RequestStatus.WAITING
         req.order = (req.arrival_time, self._admit_counter, req.sample_index)
         self._admit_counter += 1
@@ -120,7 +94,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(len(req.all_token_ids) - req.num_computed_tokens, budget)
-            if num_new <= 0:
+            if num_new <= 0 or req.length_reached:  # (a request whose pending token ends it is done)
                 i += 1
                 continue
             while True:
@@ -195,7 +169,7 @@ class Scheduler:
             out.block_copies_after = self.kv.pop_block_copies()
         else:
             out.block_copies = self.kv.pop_block_copies()
-        self._record_step(out, now)
+        self.metrics.record_step(step_stats(self, out, now))
         return out
 
     def _allocate(self, req: Request, num_new: int, hits: list[int] | None = None) -> bool:
@@ -308,6 +282,9 @@ class Scheduler:
                 bisect.insort(self.swapped, req, key=lambda r: r.order)
                 return
             logger.warning("host swap space full: preempting %s by recompute instead", req.request_id)
+        self._requeue(req)
+
+    def _requeue(self, req: Request) -> None:
         # free before resetting num_computed_tokens: the manager forgets hashes of blocks the
         # request registered but never computed
         self.kv.free(req)
@@ -324,17 +301,30 @@ class Scheduler:
     def update_from_output(self, out: SchedulerOutput, sampled: Sequence[int],
                            logprobs: Sequence | None = None, errors: Sequence[bool] | None = None,
                            now: float | None = None) -> list[Request]:
-        """Take one step's sampled tokens (one per row); returns the requests that got a new
-        token or finished, in row order."""
-        now = self.clock() if now is None else now
+        """Take one step's sampled tokens (one per row): `advance` then `resolve`."""
+        self.advance(out)
+        return self.resolve(out, sampled, logprobs, errors, now)
+
+    def advance(self, out: SchedulerOutput) -> None:
+        """The step `out` is on the device: its tokens count as computed, and each row that samples
+        holds a placeholder for its token, so the next step can be scheduled before the sampled
+        tokens are back (async scheduling; see `resolve`)."""
         self.kv.commit()
-        changed = []
-        running = RequestStatus.RUNNING
         for row, req in enumerate(out.scheduled):
-            if req.status is not running:  # aborted since the step was scheduled
-                continue
-            req.num_computed_tokens += out.num_new_tokens[row]
-            if not out.needs_sample[row]:
+            if req.status is RequestStatus.RUNNING:  # not aborted since the step was scheduled
+                req.num_computed_tokens += out.num_new_tokens[row]
+                if out.needs_sample[row]:
+                    req.add_placeholder(row)
+
+    def resolve(self, out: SchedulerOutput, sampled: Sequence[int], logprobs: Sequence | None = None,
+                errors: Sequence[bool] | None = None, now: float | None = None) -> list[Request]:
+        """Put the sampled tokens of an advanced step in place of its placeholders (every
+        request still unfinished, even one preempted since), finishing those that stop; returns
+        the requests that got a new token or finished, in row order."""
+        now = self.clock() if now is None else now
+        changed = []
+        for row, req in enumerate(out.scheduled):
+            if not out.needs_sample[row] or req.status.finished or not req.num_pending:
                 continue
             if errors is not None and errors[row]:
                 req.error = "non-finite logits"
@@ -349,12 +339,22 @@ class Scheduler:
             changed.append(req)
         return changed
 
+    def recompute_request(self, request_id: str) -> None:
+        """Preempt an unfinished request by recompute: its blocks and pending tokens go, it waits
+        in its FCFS place and computes its tokens again (a step whose results were lost)."""
+        req = self.requests[request_id]
+        req.drop_pending()
+        if req.status in (RequestStatus.RUNNING, RequestStatus.SWAPPED):
+            (self.running if req.status == RequestStatus.RUNNING else self.swapped).remove(req)
+            self._release_seat(req)
+            self._requeue(req)
+
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         sp = req.sampling_params
         if req.num_output_tokens > sp.min_tokens and (  # before min_tokens the device bans them
                 (not sp.ignore_eos and token == req.eos_token_id) or token in (sp.stop_token_ids or ())):
             return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+        if req.num_output_tokens >= req.max_tokens or req.num_prompt_tokens + req.num_output_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
@@ -382,6 +382,7 @@ class Scheduler:
         prev = req.status
         if prev.finished:
             return
+        req.drop_pending()
         if prev == RequestStatus.RUNNING:
             self.running.remove(req)
             self._release_seat(req)
@@ -432,19 +433,3 @@ class Scheduler:
     @property
     def num_unfinished(self) -> int:
         return len(self.requests)
-
-    def _record_step(self, out: SchedulerOutput, now: float) -> None:
-        usage = self.kv.usage()
-        occupancy = [None] * self.config.max_num_seqs
-        for req in out.scheduled:
-            seat = self.seats.get(req.request_id)
-            if seat is not None:
-                occupancy[seat] = req.request_id
-        self.metrics.record_step(StepStats(
-            step=out.step, time=now, num_running=len(self.running), num_waiting=len(self.waiting),
-            num_swapped=len(self.swapped), num_prefill_tokens=out.num_prefill_tokens,
-            num_decode_tokens=out.num_decode_tokens, num_rows=out.num_rows,
-            used_blocks=usage.used_blocks, allocated_slots=usage.allocated_slots,
-            real_tokens=usage.real_tokens, kv_utilization=usage.utilization, kv_usage=usage.usage,
-            num_preempted=len(out.preempted), prefix_query_tokens=out.prefix_query_tokens,
-            prefix_hit_tokens=out.prefix_hit_tokens, occupancy=occupancy))

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 from pagedjax.sampling_params import SamplingParams
 
+PLACEHOLDER = -1   # a token id in all_token_ids whose value the device has not returned yet
+
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
@@ -76,6 +78,11 @@ class Request:
     error: str | None = None
     order: tuple = ()                 # FCFS key: (arrival, admission counter, sample index)
     times: RequestTimes = None        # type: ignore[assignment]
+    # tokens handed to the device whose sampled value is not back yet (async scheduling): they
+    # stand at the end of all_token_ids as PLACEHOLDER; pending_row is the newest one's row in
+    # its step's sampled tokens, from which the next step takes it on the device
+    num_pending: int = 0
+    pending_row: int = -1
     _sampling_row: tuple | None = field(default=None, repr=False)
     record: object = field(default=None, repr=False)  # its metrics.RequestRecord once finished
 
@@ -99,6 +106,12 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def length_reached(self) -> bool:
+        """Its pending tokens bring it to max_tokens: it finishes once they are back, whatever they are."""
+        return bool(self.num_pending) and self.max_tokens is not None and \
+            self.num_output_tokens + self.num_pending >= self.max_tokens
 
     @property
     def max_num_tokens(self) -> int:
@@ -142,9 +155,26 @@ class Request:
                                         self.seed & 0xFFFFFFFF, (self.seed >> 32) & 0xFFFFFFFF)
         return row
 
+    def add_placeholder(self, row: int) -> None:
+        """A token is being sampled for this request in row `row` of the step just dispatched."""
+        self.all_token_ids.append(PLACEHOLDER)
+        self.num_pending += 1
+        self.pending_row = row
+
+    def drop_pending(self) -> None:
+        """Forget the tokens still being sampled (the request finished or is computed again)."""
+        if self.num_pending:
+            del self.all_token_ids[-self.num_pending:]
+            self.num_pending = 0
+
     def append_output_token(self, token_id: int, now: float, logprob=None) -> None:
+        """Append a sampled token; it takes the place of the oldest placeholder if there is one."""
+        if self.num_pending:
+            self.all_token_ids[self.num_prompt_tokens + len(self.output_token_ids)] = token_id
+            self.num_pending -= 1
+        else:
+            self.all_token_ids.append(token_id)
         self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
         if logprob is not None:
             self.output_logprobs.append(logprob)
         if self.times.first_token is None:

@@ -7,7 +7,9 @@ next token by a deterministic rule that *reads the context back through the bloc
 new tokens, as the device sees it. So a wrong block table, a missed copy-on-write, a lost swap
 or a prefix hit on a block still being filled changes the tokens a request produces, and
 comparing against a run with ample memory (`run_alone`) catches it. With `check_kv=True` every
-row's whole context is read back and compared, before the step's writes and after.
+row's whole context is read back and compared, before the step's writes and after. Like the
+device step, it takes a token the host packed as a placeholder (async scheduling) from the
+previous step's sampled tokens.
 
 Step time runs on a virtual clock, from a cost: `StepCost` (a + b * tokens + c * context tokens)
 or anything with `step_time(out, step, block_size)`, such as a step-cost model fitted to the
@@ -26,7 +28,7 @@ import numpy as np
 from pagedjax.scheduler.batch import BatchPacker, StepInput
 from pagedjax.scheduler.output import SchedulerOutput
 from pagedjax.scheduler.scheduler import Scheduler
-from pagedjax.scheduler.sequence import Request
+from pagedjax.scheduler.sequence import PLACEHOLDER, Request
 
 _M = np.uint64(0x9E3779B97F4A7C15)
 
@@ -96,6 +98,7 @@ class SimExecutor:
         self.cost = cost or StepCost()
         self.check_kv = check_kv
         self.logits_hook: Callable[[SchedulerOutput], np.ndarray | None] | None = None
+        self.last_sampled = np.zeros(1, np.int64)   # the last step's sampled tokens, by row
 
     def _copy_blocks(self, pairs, src_mem, dst_mem):
         bs = self.bs
@@ -105,7 +108,9 @@ class SimExecutor:
     @staticmethod
     def _check(req: Request, got: np.ndarray, what: str) -> None:
         want = np.asarray(req.all_token_ids[:len(got)])
-        if not np.array_equal(got, want):
+        known = want != PLACEHOLDER  # a token still in flight (async scheduling) is checked once back
+        if not np.array_equal(got[known], want[known]):
+            got, want = np.where(known, got, want), want
             bad = int(np.argmax(got != want))
             raise AssertionError(f"KV of {req.request_id} {what} {got[bad]} at position {bad}, not {want[bad]}")
 
@@ -120,6 +125,10 @@ class SimExecutor:
 
         a = step.attention
         S = int(a.num_seqs)
+        # tokens the previous step sampled that the host had not yet (async scheduling)
+        source = step.token_source
+        token_ids = np.where(source >= 0, self.last_sampled[np.clip(source, 0, len(self.last_sampled) - 1)],
+                             step.token_ids) if (source >= 0).any() else step.token_ids
         ctx = a.context_lens[:S].astype(np.int64)
         tables = a.block_tables[:S].astype(np.int64)
         qsl = a.query_start_loc[:S + 1].astype(np.int64)
@@ -135,7 +144,7 @@ class SimExecutor:
         # row fills in this same step reads stale content here, as it would on the device
         def read(pos):
             own = pos >= start
-            return np.where(own, step.token_ids[np.where(own, qsl[:-1] + pos - start, 0)], cached(rows, pos))
+            return np.where(own, token_ids[np.where(own, qsl[:-1] + pos - start, 0)], cached(rows, pos))
 
         prev, back = read(ctx - 1)[src], read((ctx - 1) // 2)[src]
         if self.check_kv:
@@ -144,7 +153,7 @@ class SimExecutor:
                     self._check(req, cached(s, np.arange(int(start[s]))), "reads")
         n = step.num_tokens
         slots = a.slot_mapping[:n]
-        self.kv[slots[slots >= 0]] = step.token_ids[:n][slots >= 0]
+        self.kv[slots[slots >= 0]] = token_ids[:n][slots >= 0]
         self._copy_blocks(out.block_copies_after, self.kv, self.kv)
         if self.check_kv:  # and what later steps will read
             for s, req in enumerate(out.scheduled):
@@ -152,7 +161,7 @@ class SimExecutor:
 
         seeds = step.sampling.seeds
         seed = seeds[:S, 0].astype(np.uint64) | (seeds[:S, 1].astype(np.uint64) << np.uint64(32))
-        sampled = next_token_rule(seed, ctx, prev, back, self.vocab)
+        sampled = self.last_sampled = next_token_rule(seed, ctx, prev, back, self.vocab)
         errors = self.logits_hook(out) if self.logits_hook else None
         return sampled, errors, self.cost.step_time(out, step, bs)
 
