@@ -197,8 +197,11 @@ class ModelRunner:
         parallel.check_tensor_parallel(tp, model_config)
         self.mesh = None
         if tp == 1:
-            self.kv_cache = init_kv_cache(model_config, num_blocks, config.block_size, self.kv_dtype)
+            # the values' dtype, or how the backend stores them (a bfloat16 pool as uint16 bits: native)
+            self.kv_storage_dtype = make_attention(self.backend).pool_dtype(self.kv_dtype)
+            self.kv_cache = init_kv_cache(model_config, num_blocks, config.block_size, self.kv_storage_dtype)
         else:
+            self.kv_storage_dtype = self.kv_dtype
             self.mesh = parallel.make_mesh(tp)
             self.params = params = parallel.shard_params(params, self.mesh)
             self.kv_cache = parallel.init_sharded_kv_cache(model_config, self.mesh, num_blocks, config.block_size,
@@ -210,7 +213,8 @@ class ModelRunner:
                     config.block_size, self.kv_bytes_per_device / 2**20, tp)
         shape = (model_config.num_layers, model_config.num_kv_heads, num_host_blocks, config.block_size,
                  model_config.head_dim)
-        self.host_cache = (np.zeros(shape, self.kv_dtype), np.zeros(shape, self.kv_dtype)) if num_host_blocks else None
+        self.host_cache = (np.zeros(shape, self.kv_storage_dtype), np.zeros(shape, self.kv_storage_dtype)) \
+            if num_host_blocks else None
         # tests use it to make chosen rows' logits non-finite: (logits, StepInput) -> logits
         self.logits_hook = logits_hook
         self.compile_seconds = 0.0

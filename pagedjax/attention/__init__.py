@@ -58,6 +58,10 @@ class Attention:
 
     writes_kv: bool = False
 
+    def pool_dtype(self, dtype):
+        """The dtype the pool is stored in for values of `dtype` (see cache.values_dtype)."""
+        return dtype
+
     def plan(self, meta: AttentionMetadata, num_tokens: int) -> Any:
         """What every layer's call needs beyond `meta`, derived once a step."""
         return meta
@@ -153,6 +157,11 @@ class XlaAttention(_Split):
 @dataclasses.dataclass(frozen=True)
 class NativeAttention(_Split):
     """The "native" backend: the same in one C++ call per layer (pagedjax.native)."""
+
+    def pool_dtype(self, dtype):
+        # a bfloat16 pool as its bits: the kernel reads them as bfloat16 either way, and the
+        # step's K/V write then never converts the pool
+        return jnp.uint16 if jnp.dtype(dtype) == jnp.bfloat16 else dtype
 
     def split(self, qg, k, v, k_cache, v_cache, layer, tables, layout):
         from pagedjax import native

@@ -31,11 +31,18 @@ def _bits(x: jax.Array) -> jax.Array:
     """A 16-bit float array viewed as uint16 (anything else as it is). XLA on a CPU has no native
     bfloat16 arithmetic: a scatter into a bfloat16 pool converts the whole pool to float32 and
     back every step, while the same scatter over its bits moves only the written rows."""
-    return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype.itemsize == 2 else x
+    return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype.itemsize == 2 and x.dtype != jnp.uint16 else x
 
 
 def _unbits(x: jax.Array, dtype) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, dtype) if x.dtype != dtype else x
+
+
+def values_dtype(cache: jax.Array):
+    """The dtype of the values a pool holds: a uint16 pool holds bfloat16 values as their bits (the
+    native CPU backend keeps a bfloat16 pool so: XLA on a CPU turns the bits of a scattered
+    bfloat16 pool back into bfloat16 by copying the whole pool, every step)."""
+    return jnp.bfloat16 if cache.dtype == jnp.uint16 else cache.dtype
 
 
 def write_kv(cache: jax.Array, new: jax.Array, slot_mapping: jax.Array) -> jax.Array:
@@ -49,7 +56,7 @@ def write_kv(cache: jax.Array, new: jax.Array, slot_mapping: jax.Array) -> jax.A
     # -1 would wrap around to the last slot under numpy indexing rules: send it out of range instead,
     # where mode="drop" discards it.
     slots = jnp.where(slot_mapping < 0, nb * bs, slot_mapping)
-    flat = flat.at[..., slots, :].set(jnp.swapaxes(_bits(_finite(new, cache.dtype)), -3, -2), mode="drop")
+    flat = flat.at[..., slots, :].set(jnp.swapaxes(_bits(_finite(new, values_dtype(cache))), -3, -2), mode="drop")
     return _unbits(flat.reshape(cache.shape), cache.dtype)
 
 
@@ -63,6 +70,6 @@ def write_layer(cache: jax.Array, layer: jax.Array, new: jax.Array, slot_mapping
     # one head_dim row per (token, kv head): a scatter whose window is the minor dimension alone
     # leaves the pool in its row-major layout, the one the Pallas kernels read
     heads = jnp.tile(jnp.arange(kvh, dtype=jnp.int32), t)
-    rows = _bits(_finite(new, cache.dtype)).reshape(t * kvh, d)
+    rows = _bits(_finite(new, values_dtype(cache))).reshape(t * kvh, d)
     out = _bits(cache).at[layer, heads, jnp.repeat(block, kvh), jnp.repeat(offset, kvh), :].set(rows, mode="drop")
     return _unbits(out, cache.dtype)

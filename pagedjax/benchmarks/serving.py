@@ -64,6 +64,7 @@ ENGINE_SYSTEMS = {
     "orca-pow2": {"allocation": "contiguous", "contiguous_reserve": "pow2"},
     "orca-oracle": {"allocation": "contiguous", "contiguous_reserve": "oracle"},
     "continuous-nocache": {"enable_prefix_caching": False},
+    "continuous-async": {"async_scheduling": True},   # the host schedules step N+1 while step N runs
 }
 SYSTEMS = (*ENGINE_SYSTEMS, "hf", "hf-cb")
 REGIMES = ("padded", "shrinking")   # decode steps padded to the seats, or buckets shrinking with live rows

@@ -13,7 +13,8 @@
 //   q      f32 [T, KVH, G, D]      scaled queries, grouped by kv head
 //   k_new  f32 [T, KVH, D]         this step's keys (rotary applied) and values
 //   v_new  f32 [T, KVH, D]
-//   k, v   f32|bf16 [L, KVH, NB, BS, D]   the whole pool (not yet holding this step's K/V)
+//   k, v   f32|bf16|u16 [L, KVH, NB, BS, D]   the whole pool (not yet holding this step's K/V;
+//          u16: bfloat16 values as their bits)
 //   layer  s32 []                   which layer of the pool to read
 //   tables s32 [T, P]               each token's row's block table
 //   seq    s32 [T]                  each token's row, -1 for padding (output 0)
@@ -359,8 +360,9 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::
       k.element_type() != v.element_type())
     return ffi::Error::InvalidArgument("cpu attention: q, k_new, v_new, pool, tables, seq and start disagree in shape "
                                        "or dtype");
-  if (k.element_type() != ffi::DataType::F32 && k.element_type() != ffi::DataType::BF16)
-    return ffi::Error::InvalidArgument("cpu attention: the pool must be float32 or bfloat16");
+  if (k.element_type() != ffi::DataType::F32 && k.element_type() != ffi::DataType::BF16 &&
+      k.element_type() != ffi::DataType::U16)
+    return ffi::Error::InvalidArgument("cpu attention: the pool must be float32, bfloat16 or uint16 (bfloat16 bits)");
   const int64_t layer = layer_buf.typed_data()[0];
   if (layer < 0 || layer >= s.L)
     return ffi::Error::InvalidArgument("cpu attention: layer " + std::to_string(layer) + " outside [0, " +

@@ -2,6 +2,8 @@
 
 `schedule()` returns a `SchedulerOutput` that says exactly what the runner must do this step; `update_from_output()`
 takes the sampled tokens back, appends them, finishes requests and frees their blocks. No JAX here.
+It is two halves, `advance()` (the step is on the device) and `resolve()` (its tokens are back),
+between which async scheduling schedules the next step.
 
 Policy (`scheduling="continuous"`, vLLM's): running requests first, oldest first, each given
 the rest of its prompt (chunked to the token budget) or one decode token; then swapped

@@ -146,14 +146,15 @@ class Request:
 
     @property
     def sampling_row(self) -> tuple:
-        """(temperature, top_k or 0, top_p, min_p, seed low 32 bits, seed high 32 bits), cached:
-        the packer writes it into the step's sampling arrays every step."""
-        row = self._sampling_row
-        if row is None:
-            sp = self.sampling_params
-            row = self._sampling_row = (sp.temperature, max(sp.top_k, 0), sp.top_p, sp.min_p,
-                                        self.seed & 0xFFFFFFFF, (self.seed >> 32) & 0xFFFFFFFF)
-        return row
+        """(temperature, top_k or 0, top_p, min_p, seed low 32 bits, seed high 32 bits), cached
+        for the params it was made from: the packer writes it into the step's sampling arrays
+        every step."""
+        cached = self._sampling_row
+        sp = self.sampling_params
+        if cached is None or cached[0] is not sp:  # (params replaced: a new row)
+            cached = self._sampling_row = (sp, (sp.temperature, max(sp.top_k, 0), sp.top_p, sp.min_p,
+                                                self.seed & 0xFFFFFFFF, (self.seed >> 32) & 0xFFFFFFFF))
+        return cached[1]
 
     def add_placeholder(self, row: int) -> None:
         """A token is being sampled for this request in row `row` of the step just dispatched."""
