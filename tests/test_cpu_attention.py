@@ -6,7 +6,7 @@ Ragged batches reach every branch: tokens of fresh prompts (no cached context), 
 prefill chunks after cached context that fill whole 16-token tiles (the XLA one-row branch) or
 share tiles with other rows (its per-token branch), padding rows and tokens, block sizes from 1
 to 32 and contexts ending on and off page and chunk edges. The native kernel is also run with
-head dim 64 (its AVX-512 path, where the CPU has it) and a bfloat16 pool."""
+head dims 64 and 128 (its AVX-512 paths, where the CPU has them) and a bfloat16 pool, read in place."""
 
 from __future__ import annotations
 
@@ -92,6 +92,7 @@ VARIANTS = {  # impl, head dim, pool dtype
     "native": ("native", 16, jnp.float32),
     "native-d64": ("native", 64, jnp.float32),
     "native-d64-bf16": ("native", 64, jnp.bfloat16),
+    "native-d128-bf16": ("native", 128, jnp.bfloat16),
 }
 
 

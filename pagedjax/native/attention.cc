@@ -158,28 +158,40 @@ inline __m512 Sum16(const __m512* acc) {
                        _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// A 16-float chunk of a K/V row. f32 rows: chunk c is values [16c, 16c + 16). bf16 rows (as
+// their bits): 32 values fill one 64-byte load, and the two chunks made from it are the even-
+// and the odd-indexed values (a shift and a mask, no shuffles) -- the "split" order of
+// SplitPermute. Scores do not depend on the order of d as long as q is in the same order, and
+// the output accumulates in that order too, so a bf16 page is read straight from the pool.
+inline __m512 LoadChunk(const float* row, int c) { return _mm512_loadu_ps(row + 16 * c); }
+inline __m512 LoadChunk(const uint16_t* row, int c) {
+  const __m512i x = _mm512_loadu_si512(row + 32 * (c / 2));
+  return _mm512_castsi512_ps(c % 2 ? _mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)))
+                                   : _mm512_slli_epi32(x, 16));
+}
+
 // AttendGeneric with AVX-512 for D = 16 * DC. Rows are taken 16 at a time: 16 rows are *read*
 // from each chunk start even past n (the caller guarantees they exist and are finite), and the
 // scores past n are masked. The scores of a chunk are one vector, the softmax runs on it, and
 // the head's output stays in DC registers while the values are added.
-template <int DC>
-inline void AttendAvx512(const float* __restrict q, int64_t G, const float* __restrict k, const float* __restrict v,
+template <int DC, typename KV>
+inline void AttendAvx512(const float* __restrict q, int64_t G, const KV* __restrict k, const KV* __restrict v,
                          int64_t n, State s) {
   constexpr int64_t D = 16 * DC;
   alignas(64) float pb[16];
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
     const int64_t nj = std::min<int64_t>(16, n - j0);
     const __mmask16 live = static_cast<__mmask16>((1u << nj) - 1);
-    const float* kc = k + j0 * D;
-    const float* vc = v + j0 * D;
+    const KV* kc = k + j0 * D;
+    const KV* vc = v + j0 * D;
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = q + g * D;
       __m512 qv[DC];
       for (int c = 0; c < DC; ++c) qv[c] = _mm512_loadu_ps(qg + 16 * c);
       __m512 part[16];
       for (int j = 0; j < 16; ++j) {
-        part[j] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kc + j * D));
-        for (int c = 1; c < DC; ++c) part[j] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kc + j * D + 16 * c), part[j]);
+        part[j] = _mm512_mul_ps(qv[0], LoadChunk(kc + j * D, 0));
+        for (int c = 1; c < DC; ++c) part[j] = _mm512_fmadd_ps(qv[c], LoadChunk(kc + j * D, c), part[j]);
       }
       const __m512 sc = _mm512_mask_blend_ps(live, _mm512_set1_ps(kNoScore), Sum16(part));
       const float m_old = s.mx[g];
@@ -195,13 +207,30 @@ inline void AttendAvx512(const float* __restrict q, int64_t G, const float* __re
       for (int c = 0; c < DC; ++c) o[c] = _mm512_mul_ps(_mm512_loadu_ps(ag + 16 * c), al);
       for (int64_t j = 0; j < nj; ++j) {
         const __m512 pj = _mm512_set1_ps(pb[j]);
-        for (int c = 0; c < DC; ++c) o[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vc + j * D + 16 * c), o[c]);
+        for (int c = 0; c < DC; ++c) o[c] = _mm512_fmadd_ps(pj, LoadChunk(vc + j * D, c), o[c]);
       }
       for (int c = 0; c < DC; ++c) _mm512_storeu_ps(ag + 16 * c, o[c]);
     }
   }
 }
 #endif
+
+// The order LoadChunk reads a bf16 row in: per 32 values, the 16 even-indexed then the 16 odd.
+inline void SplitPermute(float* __restrict dst, const float* __restrict src, int64_t D) {
+  for (int64_t b = 0; b < D; b += 32)
+    for (int64_t i = 0; i < 16; ++i) {
+      dst[b + i] = src[b + 2 * i];
+      dst[b + 16 + i] = src[b + 2 * i + 1];
+    }
+}
+
+inline void SplitUnpermute(float* __restrict dst, const float* __restrict src, int64_t D) {
+  for (int64_t b = 0; b < D; b += 32)
+    for (int64_t i = 0; i < 16; ++i) {
+      dst[b + 2 * i] = src[b + i];
+      dst[b + 2 * i + 1] = src[b + 16 + i];
+    }
+}
 
 // kD: the head dim when it is one the fast path is compiled for (64, 128), 0 otherwise.
 template <typename KV, int kD>
@@ -217,11 +246,19 @@ class Kernel {
     const int64_t D = kD ? kD : s_.D;
     const int64_t n_tok = it.t1 - it.t0;
     const int64_t ctx = start_[it.t0];
+    // bf16 pages read in place by the fast path: queries, this step's K/V rows and the output
+    // are in its split order (SplitPermute)
+    const bool split = kSplit && BS % 16 == 0;
     std::vector<float> mx(n_tok * G, kNoScore), dn(n_tok * G, 0.f), acc(n_tok * G * D, 0.f), qv(n_tok * G * D);
     std::vector<float> scratch(G * 16);
     auto state = [&](int64_t t) { return State{&mx[t * G], &dn[t * G], &acc[t * G * D]}; };
-    for (int64_t t = 0; t < n_tok; ++t)
-      std::memcpy(&qv[t * G * D], q_ + (((it.t0 + t) * KVH + it.h) * G) * D, G * D * sizeof(float));
+    for (int64_t t = 0; t < n_tok; ++t) {
+      const float* qt = q_ + (((it.t0 + t) * KVH + it.h) * G) * D;
+      if (split)
+        for (int64_t g = 0; g < G; ++g) SplitPermute(&qv[(t * G + g) * D], qt + g * D, D);
+      else
+        std::memcpy(&qv[t * G * D], qt, G * D * sizeof(float));
+    }
 
     // 1. the cached context, page by page
     const int32_t* table = tables_ + it.t0 * s_.P;
@@ -229,7 +266,7 @@ class Kernel {
     const KV* k_head = k_ + ((layer_ * KVH + it.h) * s_.NB) * page_elems;
     const KV* v_head = v_ + ((layer_ * KVH + it.h) * s_.NB) * page_elems;
     std::vector<float> kbuf, vbuf;
-    if constexpr (!std::is_same_v<KV, float>) {
+    if (!std::is_same_v<KV, float> && !split) {
       kbuf.resize(page_elems);
       vbuf.resize(page_elems);
     }
@@ -250,6 +287,14 @@ class Kernel {
       }
       const KV* kp_raw = k_head + static_cast<int64_t>(table[p]) * page_elems;
       const KV* vp_raw = v_head + static_cast<int64_t>(table[p]) * page_elems;
+#if defined(__AVX512F__)
+      if constexpr (kSplit) {
+        if (split) {
+          for (int64_t t = 0; t < n_tok; ++t) AttendAvx512<kD / 16>(&qv[t * G * D], G, kp_raw, vp_raw, n, state(t));
+          continue;
+        }
+      }
+#endif
       const float* kp;
       const float* vp;
       if constexpr (std::is_same_v<KV, float>) {
@@ -271,8 +316,15 @@ class Kernel {
     const int64_t padded = (n_new + 15) / 16 * 16;
     std::vector<float> kr(padded * D, 0.f), vr(padded * D, 0.f);
     for (int64_t u = 0; u < n_new; ++u) {
-      std::memcpy(&kr[u * D], k_new_ + ((it.row_first + u) * KVH + it.h) * D, D * sizeof(float));
-      std::memcpy(&vr[u * D], v_new_ + ((it.row_first + u) * KVH + it.h) * D, D * sizeof(float));
+      const float* ku = k_new_ + ((it.row_first + u) * KVH + it.h) * D;
+      const float* vu = v_new_ + ((it.row_first + u) * KVH + it.h) * D;
+      if (split) {
+        SplitPermute(&kr[u * D], ku, D);
+        SplitPermute(&vr[u * D], vu, D);
+      } else {
+        std::memcpy(&kr[u * D], ku, D * sizeof(float));
+        std::memcpy(&vr[u * D], vu, D * sizeof(float));
+      }
     }
     for (int64_t t = 0; t < n_tok; ++t)
       Attend(&qv[t * G * D], kr.data(), vr.data(), it.t0 + t - it.row_first + 1, true, state(t), scratch.data());
@@ -281,13 +333,25 @@ class Kernel {
     for (int64_t t = 0; t < n_tok; ++t) {
       float* out = o_ + ((it.t0 + t) * KVH + it.h) * G * D;
       for (int64_t g = 0; g < G; ++g) {
+        float* a = &acc[(t * G + g) * D];
         const float inv = 1.f / dn[t * G + g];
-        for (int64_t d = 0; d < D; ++d) out[g * D + d] = acc[(t * G + g) * D + d] * inv;
+        for (int64_t d = 0; d < D; ++d) a[d] *= inv;
+        if (split)
+          SplitUnpermute(out + g * D, a, D);
+        else
+          std::memcpy(out + g * D, a, D * sizeof(float));
       }
     }
   }
 
  private:
+  // bf16 pages can be read in place (LoadChunk) when the fast path covers the head dim
+#if defined(__AVX512F__)
+  static constexpr bool kSplit = std::is_same_v<KV, uint16_t> && kD > 0 && kD % 32 == 0;
+#else
+  static constexpr bool kSplit = false;
+#endif
+
   // rows_padded: 16 rows can be read from every chunk start
   void Attend(const float* q, const float* k, const float* v, int64_t n, bool rows_padded, State s,
               float* scratch) const {
