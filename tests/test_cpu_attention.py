@@ -26,8 +26,8 @@ from pagedjax.pallas.reference import ragged_paged_attention_reference
 KVH, G = 2, 3
 
 
-def make_batch(rng, rows, block_size, T, S, P, num_blocks, D):
-    """rows: [(cached, new)] per sequence. Returns the pool holding random cached K/V (and NaN-free
+def make_batch(rng, rows, block_size, T, S, P, num_blocks, D, groups=G):
+    """rows: [(cached, new)] per sequence, `groups` query heads per kv head. Returns the pool holding random cached K/V (and NaN-free
     garbage elsewhere), the step's q/k/v, and the metadata, padded to T tokens, S rows, P pages."""
     assert sum(n for _, n in rows) <= T and len(rows) <= S
     k_pool = rng.standard_normal((1, KVH, num_blocks, block_size, D)).astype(np.float32)
@@ -50,19 +50,19 @@ def make_batch(rng, rows, block_size, T, S, P, num_blocks, D):
     qsl[len(rows) + 1:] = t
     attn = AttentionMetadata(jnp.asarray(slots), jnp.asarray(tables), jnp.asarray(lens), jnp.asarray(qsl),
                              jnp.int32(len(rows)))
-    q = jnp.asarray(rng.standard_normal((T, KVH * G, D)).astype(np.float32))
+    q = jnp.asarray(rng.standard_normal((T, KVH * groups, D)).astype(np.float32))
     k = jnp.asarray(rng.standard_normal((T, KVH, D)).astype(np.float32))
     v = jnp.asarray(rng.standard_normal((T, KVH, D)).astype(np.float32))
     return (jnp.asarray(k_pool), jnp.asarray(v_pool)), q, k, v, attn
 
 
-def cpu_path(attention_fn):
+def cpu_path(attention_fn, groups=G):
     @jax.jit
     def run(q, k, v, pool, attn):
         k_pool, v_pool = pool
         T, _, D = q.shape
         layout = token_layout(attn, T)
-        qg = q.reshape(T, KVH, G, D) * D ** -0.5
+        qg = q.reshape(T, KVH, groups, D) * D ** -0.5
         o = attention_fn(qg, k, v, k_pool, v_pool, jnp.int32(0), attn.block_tables[layout.seq], layout)
         return o, layout.valid
 
@@ -118,6 +118,24 @@ def test_cpu_attention_matches_reference(case, block_size, variant):
     assert np.all(np.isfinite(np.asarray(got)))
     if impl == "native":
         assert np.all(np.asarray(got)[~valid] == 0)
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4, 5, 8])
+@pytest.mark.parametrize("D, dtype", [(64, jnp.float32), (64, jnp.bfloat16), (128, jnp.float32), (128, jnp.bfloat16)])
+def test_native_any_number_of_query_heads_per_kv_head(groups, D, dtype):
+    """The AVX-512 path attends with the query heads of one kv head together, four at a time at
+    head dim 64 and two at 128, then the rest: every split of G matches the reference."""
+    require_native()
+    rows = CASES["mixed step"]
+    rng = np.random.default_rng(groups * 1000 + D)
+    T, S = 56, len(rows) + 1
+    P = -(-max(c + n for c, n in rows) // 16) + 1
+    pool, q, k, v, attn = make_batch(rng, rows, 16, T, S, P, S * P + 2, D, groups)
+    pool = tuple(c.astype(dtype) for c in pool)
+    got, valid = cpu_path(native.attention, groups)(q, k, v, pool, attn)
+    want = reference(q, k, v, pool, attn)
+    valid = np.asarray(valid)
+    np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("D", [16, 64])

@@ -140,22 +140,22 @@ inline __m512 Exp512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// Lane j = the sum of acc[j]'s 16 lanes: a transpose-and-add tree, 45 instructions instead of
-// 16 horizontal sums.
-inline __m512 Sum16(const __m512* acc) {
-  __m512 x[8];  // per 128-bit chunk: [a0+a2, b0+b2, a1+a3, b1+b3]
-  for (int i = 0; i < 8; ++i)
-    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(acc[2 * i], acc[2 * i + 1]), _mm512_unpackhi_ps(acc[2 * i], acc[2 * i + 1]));
-  __m512 y[4];  // per 128-bit chunk: that chunk's sums of four vectors, in order
-  for (int i = 0; i < 4; ++i)
-    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  __m512 z[2];  // add the 128-bit chunks pairwise, twice
-  for (int i = 0; i < 2; ++i)
-    z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
+// The score of 16 rows as one vector: lane j = the sum of the 16 lanes of row j's products. A
+// transpose-and-add tree (45 instructions instead of 16 horizontal sums) in three steps, so that
+// it can run while the rows arrive four at a time. Quad: rows 4i..4i+3, giving per 128-bit chunk
+// that chunk's sums of the four rows, in order.
+inline __m512 Quad(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 x0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const __m512 x1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  return _mm512_add_ps(_mm512_shuffle_ps(x0, x1, _MM_SHUFFLE(1, 0, 1, 0)),
+                       _mm512_shuffle_ps(x0, x1, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+
+// Two Quads (eight rows) or, applied again, two of those (all sixteen): the 128-bit chunks added
+// pairwise.
+inline __m512 Pair(__m512 y0, __m512 y1) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(y0, y1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
 // A 16-float chunk of a K/V row. f32 rows: chunk c is values [16c, 16c + 16). bf16 rows (as
@@ -170,47 +170,79 @@ inline __m512 LoadChunk(const uint16_t* row, int c) {
                                    : _mm512_slli_epi32(x, 16));
 }
 
-// AttendGeneric with AVX-512 for D = 16 * DC. Rows are taken 16 at a time: 16 rows are *read*
-// from each chunk start even past n (the caller guarantees they exist and are finite), and the
-// scores past n are masked. The scores of a chunk are one vector, the softmax runs on it, and
-// the head's output stays in DC registers while the values are added.
-template <int DC, typename KV>
-inline void AttendAvx512(const float* __restrict q, int64_t G, const KV* __restrict k, const KV* __restrict v,
-                         int64_t n, State s) {
+// AttendGeneric with AVX-512 for D = 16 * DC and GN query heads at once (GN * DC <= 16, so
+// that their outputs stay in registers). Rows are taken 16 at a time: 16 rows are *read* from
+// each chunk start even past n (the caller guarantees they exist and are finite), and the scores
+// past n are masked. Each K and V chunk is loaded (and, for bf16, widened) once for the GN heads,
+// and the heads' sums are independent chains the core runs side by side.
+template <int DC, int GN, typename KV>
+inline void AttendHeadsAvx512(const float* __restrict q, const KV* __restrict k, const KV* __restrict v, int64_t n,
+                              State s) {
   constexpr int64_t D = 16 * DC;
-  alignas(64) float pb[16];
+  alignas(64) float pb[GN][16];
+  __m512 o[GN][DC];
+  for (int g = 0; g < GN; ++g)
+    for (int c = 0; c < DC; ++c) o[g][c] = _mm512_loadu_ps(s.acc + g * D + 16 * c);
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
     const int64_t nj = std::min<int64_t>(16, n - j0);
     const __mmask16 live = static_cast<__mmask16>((1u << nj) - 1);
     const KV* kc = k + j0 * D;
     const KV* vc = v + j0 * D;
-    for (int64_t g = 0; g < G; ++g) {
-      const float* qg = q + g * D;
-      __m512 qv[DC];
-      for (int c = 0; c < DC; ++c) qv[c] = _mm512_loadu_ps(qg + 16 * c);
-      __m512 part[16];
-      for (int j = 0; j < 16; ++j) {
-        part[j] = _mm512_mul_ps(qv[0], LoadChunk(kc + j * D, 0));
-        for (int c = 1; c < DC; ++c) part[j] = _mm512_fmadd_ps(qv[c], LoadChunk(kc + j * D, c), part[j]);
+    // scores, four rows at a time
+    __m512 y[GN][4];
+    for (int r = 0; r < 4; ++r) {
+      __m512 part[GN][4];
+      for (int j = 0; j < 4; ++j) {
+        const KV* kj = kc + (4 * r + j) * D;
+        const __m512 k0 = LoadChunk(kj, 0);
+        for (int g = 0; g < GN; ++g) part[g][j] = _mm512_mul_ps(_mm512_loadu_ps(q + g * D), k0);
+        for (int c = 1; c < DC; ++c) {
+          const __m512 kx = LoadChunk(kj, c);
+          for (int g = 0; g < GN; ++g) part[g][j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + 16 * c), kx, part[g][j]);
+        }
       }
-      const __m512 sc = _mm512_mask_blend_ps(live, _mm512_set1_ps(kNoScore), Sum16(part));
+      for (int g = 0; g < GN; ++g) y[g][r] = Quad(part[g][0], part[g][1], part[g][2], part[g][3]);
+    }
+    // online softmax, per head
+    for (int g = 0; g < GN; ++g) {
+      const __m512 sc = _mm512_mask_blend_ps(live, _mm512_set1_ps(kNoScore),
+                                             Pair(Pair(y[g][0], y[g][1]), Pair(y[g][2], y[g][3])));
       const float m_old = s.mx[g];
       const float m_new = std::max(m_old, _mm512_reduce_max_ps(sc));
       const __m512 p = _mm512_maskz_mov_ps(live, Exp512(_mm512_sub_ps(sc, _mm512_set1_ps(m_new))));
-      const float alpha = std::exp(m_old - m_new);
+      const float alpha = std::exp(m_old - m_new);  // 0 on the first rows
       s.dn[g] = s.dn[g] * alpha + _mm512_reduce_add_ps(p);
       s.mx[g] = m_new;
-      _mm512_store_ps(pb, p);
-      float* ag = s.acc + g * D;
+      _mm512_store_ps(pb[g], p);
       const __m512 al = _mm512_set1_ps(alpha);
-      __m512 o[DC];
-      for (int c = 0; c < DC; ++c) o[c] = _mm512_mul_ps(_mm512_loadu_ps(ag + 16 * c), al);
-      for (int64_t j = 0; j < nj; ++j) {
-        const __m512 pj = _mm512_set1_ps(pb[j]);
-        for (int c = 0; c < DC; ++c) o[c] = _mm512_fmadd_ps(pj, LoadChunk(vc + j * D, c), o[c]);
-      }
-      for (int c = 0; c < DC; ++c) _mm512_storeu_ps(ag + 16 * c, o[c]);
+      for (int c = 0; c < DC; ++c) o[g][c] = _mm512_mul_ps(o[g][c], al);
     }
+    // values
+    for (int64_t j = 0; j < nj; ++j) {
+      const KV* vj = vc + j * D;
+      for (int c = 0; c < DC; ++c) {
+        const __m512 vx = LoadChunk(vj, c);
+        for (int g = 0; g < GN; ++g) o[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(pb[g][j]), vx, o[g][c]);
+      }
+    }
+  }
+  for (int g = 0; g < GN; ++g)
+    for (int c = 0; c < DC; ++c) _mm512_storeu_ps(s.acc + g * D + 16 * c, o[g][c]);
+}
+
+// All G query heads of one kv head, kGN at a time, then the rest.
+template <int DC, typename KV>
+inline void AttendAvx512(const float* q, int64_t G, const KV* k, const KV* v, int64_t n, State s) {
+  constexpr int kGN = 16 / DC < 4 ? 16 / DC : 4;
+  constexpr int64_t D = 16 * DC;
+  const auto heads = [&](int64_t g) { return State{s.mx + g, s.dn + g, s.acc + g * D}; };
+  int64_t g = 0;
+  for (; g + kGN <= G; g += kGN) AttendHeadsAvx512<DC, kGN>(q + g * D, k, v, n, heads(g));
+  switch (G - g) {
+    case 0: return;
+    case 1: return AttendHeadsAvx512<DC, 1>(q + g * D, k, v, n, heads(g));
+    case 2: if constexpr (kGN > 2) return AttendHeadsAvx512<DC, 2>(q + g * D, k, v, n, heads(g)); break;
+    case 3: if constexpr (kGN > 3) return AttendHeadsAvx512<DC, 3>(q + g * D, k, v, n, heads(g)); break;
   }
 }
 #endif
