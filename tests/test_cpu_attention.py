@@ -11,6 +11,10 @@ head dims 64 and 128 (its AVX-512 paths, where the CPU has them) and a bfloat16 
 from __future__ import annotations
 
 import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -181,3 +185,17 @@ def test_backend_choice_when_the_kernel_cannot_be_built(monkeypatch):
     assert resolve_backend("auto", tensor_parallel_size=2) == "reference"
     with pytest.raises(ValueError, match=r"attention_backend='native' needs tensor_parallel_size 1, got 2"):
         resolve_backend("native", tensor_parallel_size=2)
+
+
+def test_bench_cpu_attention_script_runs_every_table_layout(tmp_path):
+    """scripts/bench_cpu_attention.py on a small shape: a time for each block-table layout, and
+    the bytes of K/V a step reads counted from the shape."""
+    require_native()
+    out = tmp_path / "bench.json"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_cpu_attention.py"
+    subprocess.run([sys.executable, str(script), "--batch", "2", "--context", "40", "--layers", "2", "--reps", "1",
+                    "--json", str(out)], check=True, capture_output=True, timeout=300)
+    report = json.loads(out.read_text())
+    assert set(report["results"]) == {"sequential", "scattered", "cached"}
+    assert report["kv_bytes"] == 2 * 2 * 2 * 40 * 3 * 64 * 2  # K and V, layers, tokens, kv heads, dim, bf16
+    assert all(r["best_ms"] > 0 for r in report["results"].values())

@@ -1,0 +1,131 @@
+"""The native CPU attention alone: one decode step's attention over every layer, and how fast it
+reads the KV pool.
+
+B decode tokens (one per sequence, every sequence at --context tokens of cached context) attend
+through `pagedjax.native.attention` once per layer, the layers taken in turn so that each call
+reads its own slice of the pool as the model's step does. The default shape is SmolLM2-135M's
+(30 layers, 3 kv heads of 3 query heads, head dim 64, 16-token blocks). The block tables come
+three ways:
+
+- sequential: each sequence's blocks adjacent in the pool (a fresh engine's allocation);
+- scattered: blocks in random order (a long-running server's pool after many requests);
+- cached: every sequence reading the same blocks, which stay in the CPU's caches: the kernel's
+  arithmetic with almost no memory traffic (its "GB/s" is the rate the arithmetic alone allows).
+
+For each it prints the best and median time of a whole step's layers over --reps runs and the
+bytes of K and V read per second; beside them, the rate at which one core reads 512 MB straight
+through (numpy's max), a floor on the memory bandwidth the kernel could use.
+
+    python scripts/bench_cpu_attention.py [--batch 32] [--context 916] [--kv-cache-dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pagedjax import native
+from pagedjax.attention import AttentionMetadata, token_layout
+
+TABLES = ("sequential", "scattered", "cached")
+
+
+def make_step(args, tables_kind: str, rng):
+    L, KVH, G, D, BS, B, C = (args.layers, args.kv_heads, args.groups, args.head_dim, args.block_size,
+                              args.batch, args.context)
+    P = -(-C // BS)
+    num_blocks = B * P + 1  # block 0 is the null block
+    dtype = jnp.dtype(args.kv_cache_dtype)
+
+    def values():  # a bfloat16 pool is held as its bits, as the engine's native backend holds it
+        x = jnp.asarray(rng.standard_normal((L, KVH, num_blocks, BS, D), np.float32), dtype)
+        return jax.lax.bitcast_convert_type(x, jnp.uint16) if dtype == jnp.bfloat16 else x
+
+    pool = [values(), values()]
+    blocks = np.arange(1, num_blocks)
+    if tables_kind == "scattered":
+        blocks = rng.permutation(blocks)
+    tables = blocks[:P][None].repeat(B, 0) if tables_kind == "cached" else blocks.reshape(B, P)
+    tables = jnp.asarray(tables, jnp.int32)
+    # the step's own token sits at position C, after the C cached ones; it is not in the pool
+    attn = AttentionMetadata(jnp.full(B, -1, jnp.int32), tables, jnp.full(B, C + 1, jnp.int32),
+                             jnp.arange(B + 1, dtype=jnp.int32), jnp.int32(B))
+    q = jnp.asarray(rng.standard_normal((B, KVH * G, D)), jnp.float32)
+    kv = jnp.asarray(rng.standard_normal((B, KVH, D)), jnp.float32)
+
+    @jax.jit
+    def layer(layer_index, k_pool, v_pool):
+        layout = token_layout(attn, B)
+        qg = q.reshape(B, KVH, G, D) * D ** -0.5
+        return native.attention(qg, kv, kv, k_pool, v_pool, layer_index, attn.block_tables[layout.seq], layout)
+
+    def step():
+        for i in range(L):
+            out = layer(jnp.int32(i), *pool)
+        out.block_until_ready()
+
+    return step
+
+
+def memory_read_rate(reps: int) -> float:
+    """GB/s of a plain sequential read by one core: numpy's max over 512 MB."""
+    x = np.ones(128 << 20, np.float32)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        x.max()
+        best = min(best, time.perf_counter() - t0)
+    return x.nbytes / best / 1e9
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--context", type=int, default=916)
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--kv-heads", type=int, default=3)
+    ap.add_argument("--groups", type=int, default=3, help="query heads per kv head")
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--kv-cache-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--tables", nargs="+", default=list(TABLES), choices=TABLES)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args()
+    if not native.available():
+        raise SystemExit(f"the native kernels are not available here: {native.unavailable_reason()}")
+
+    item = jnp.dtype(args.kv_cache_dtype).itemsize
+    kv_bytes = 2 * args.layers * args.batch * args.context * args.kv_heads * args.head_dim * item
+    print(f"{args.batch} decode tokens x {args.context} cached, {args.layers} layers, {args.kv_heads} kv heads x "
+          f"{args.groups}, head dim {args.head_dim}, block {args.block_size}, {args.kv_cache_dtype} pool: "
+          f"{kv_bytes / 1e6:.0f} MB of K/V per step")
+    read = memory_read_rate(args.reps)
+    print(f"  one core reading memory straight through: {read:5.1f} GB/s")
+    results = {}
+    rng = np.random.default_rng(0)
+    for kind in args.tables:
+        step = make_step(args, kind, rng)
+        step()  # compile, and touch the pool once
+        times = []
+        for _ in range(args.reps):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+        best, median = min(times), statistics.median(times)
+        results[kind] = {"best_ms": best * 1e3, "median_ms": median * 1e3, "gb_per_s": kv_bytes / best / 1e9}
+        print(f"  {kind:10s} best {best * 1e3:7.1f} ms  median {median * 1e3:7.1f} ms  "
+              f"{kv_bytes / best / 1e9:5.1f} GB/s of K/V")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "kv_bytes": kv_bytes, "memory_read_gb_per_s": read, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
