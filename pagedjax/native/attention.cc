@@ -367,11 +367,12 @@ class Kernel {
       for (int64_t g = 0; g < G; ++g) {
         float* a = &acc[(t * G + g) * D];
         const float inv = 1.f / dn[t * G + g];
-        for (int64_t d = 0; d < D; ++d) a[d] *= inv;
-        if (split)
+        if (split) {
+          for (int64_t d = 0; d < D; ++d) a[d] *= inv;
           SplitUnpermute(out + g * D, a, D);
-        else
-          std::memcpy(out + g * D, a, D * sizeof(float));
+        } else {
+          for (int64_t d = 0; d < D; ++d) out[g * D + d] = a[d] * inv;
+        }
       }
     }
   }
