@@ -16,6 +16,12 @@ For each it prints the best and median time of a whole step's layers over --reps
 bytes of K and V read per second; beside them, the rate at which one core reads 512 MB straight
 through (numpy's max), a floor on the memory bandwidth the kernel could use.
 
+With --source, other versions of the kernel's source run beside this one, in turn within each
+repetition (so that a noisy machine slows them alike), e.g. the previous commit's:
+
+    git show HEAD~1:pagedjax/native/attention.cc > /tmp/prev.cc
+    python scripts/bench_cpu_attention.py --source /tmp/prev.cc
+
     python scripts/bench_cpu_attention.py [--batch 32] [--context 916] [--kv-cache-dtype bfloat16]
 """
 
@@ -36,7 +42,7 @@ from pagedjax.attention import AttentionMetadata, token_layout
 TABLES = ("sequential", "scattered", "cached")
 
 
-def make_step(args, tables_kind: str, rng):
+def make_step(args, tables_kind: str, rng, target: str = native.TARGET):
     L, KVH, G, D, BS, B, C = (args.layers, args.kv_heads, args.groups, args.head_dim, args.block_size,
                               args.batch, args.context)
     P = -(-C // BS)
@@ -63,7 +69,8 @@ def make_step(args, tables_kind: str, rng):
     def layer(layer_index, k_pool, v_pool):
         layout = token_layout(attn, B)
         qg = q.reshape(B, KVH, G, D) * D ** -0.5
-        return native.attention(qg, kv, kv, k_pool, v_pool, layer_index, attn.block_tables[layout.seq], layout)
+        return native.attention(qg, kv, kv, k_pool, v_pool, layer_index, attn.block_tables[layout.seq], layout,
+                                target=target)
 
     def step():
         for i in range(L):
@@ -96,6 +103,8 @@ def main():
     ap.add_argument("--kv-cache-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--tables", nargs="+", default=list(TABLES), choices=TABLES)
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--source", action="append", default=[],
+                    help="another version of pagedjax/native/attention.cc to time beside this one (repeatable)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     if not native.available():
@@ -108,20 +117,27 @@ def main():
           f"{kv_bytes / 1e6:.0f} MB of K/V per step")
     read = memory_read_rate(args.reps)
     print(f"  one core reading memory straight through: {read:5.1f} GB/s")
-    results = {}
-    rng = np.random.default_rng(0)
-    for kind in args.tables:
-        step = make_step(args, kind, rng)
-        step()  # compile, and touch the pool once
-        times = []
-        for _ in range(args.reps):
+    kernels = {"this": native.TARGET} | {src: native.register_source(src) for src in args.source}
+    steps = {}
+    for name, target in kernels.items():
+        for kind in args.tables:  # the same pool contents and tables for every kernel
+            steps[name, kind] = make_step(args, kind, np.random.default_rng(TABLES.index(kind)), target)
+            steps[name, kind]()  # compile, and touch the pool once
+    times = {key: [] for key in steps}
+    for _ in range(args.reps):
+        for key, step in steps.items():
             t0 = time.perf_counter()
             step()
-            times.append(time.perf_counter() - t0)
-        best, median = min(times), statistics.median(times)
-        results[kind] = {"best_ms": best * 1e3, "median_ms": median * 1e3, "gb_per_s": kv_bytes / best / 1e9}
-        print(f"  {kind:10s} best {best * 1e3:7.1f} ms  median {median * 1e3:7.1f} ms  "
+            times[key].append(time.perf_counter() - t0)
+    results = {name: {} for name in kernels}
+    for (name, kind), ts in times.items():
+        best, median = min(ts), statistics.median(ts)
+        results[name][kind] = {"best_ms": best * 1e3, "median_ms": median * 1e3, "gb_per_s": kv_bytes / best / 1e9}
+        label = f"{kind:10s}" if len(kernels) == 1 else f"{name}: {kind:10s}"
+        print(f"  {label} best {best * 1e3:7.1f} ms  median {median * 1e3:7.1f} ms  "
               f"{kv_bytes / best / 1e9:5.1f} GB/s of K/V")
+    if len(kernels) == 1:
+        results = results["this"]
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "kv_bytes": kv_bytes, "memory_read_gb_per_s": read, "results": results}, f, indent=1)

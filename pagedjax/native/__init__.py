@@ -52,16 +52,16 @@ def compiler() -> str | None:
     return None
 
 
-def _library_path(cxx: str) -> Path:
+def _library_path(cxx: str, source: Path) -> Path:
     from pagedjax.model.hub import cache_dir
 
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), _jaxlib_version().encode(), "".join(version).encode(),
+    for part in (source.read_bytes(), " ".join(FLAGS).encode(), _jaxlib_version().encode(), "".join(version).encode(),
                  platform.machine().encode(), _cpu_features().encode()):
         key.update(part)
         key.update(b"\0")
-    return cache_dir() / "native" / f"{SOURCE.stem}-{key.hexdigest()[:16]}.so"
+    return cache_dir() / "native" / f"{source.stem}-{key.hexdigest()[:16]}.so"
 
 
 def _cpu_features() -> str:
@@ -80,19 +80,20 @@ def _jaxlib_version() -> str:
     return jaxlib.__version__
 
 
-def build(force: bool = False) -> Path:
+def build(force: bool = False, source: Path = SOURCE) -> Path:
     """Compile the kernel library if this machine has no current build; returns its path.
-    Raises `NativeUnavailable` with the compiler's message when it cannot."""
+    Raises `NativeUnavailable` with the compiler's message when it cannot. `source`: another
+    version of attention.cc (a benchmark comparing kernels side by side)."""
     cxx = compiler()
     if cxx is None:
         raise NativeUnavailable("no C++ compiler found (tried $CXX, g++, c++)")
-    lib = _library_path(cxx)
+    lib = _library_path(cxx, Path(source))
     if lib.is_file() and not force:
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         part = Path(tmp) / lib.name
-        cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(part)]
+        cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(source), "-o", str(part)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise NativeUnavailable(f"`{' '.join(cmd)}` exited with {proc.returncode}:\n"
@@ -103,15 +104,27 @@ def build(force: bool = False) -> Path:
 
 
 @lru_cache(maxsize=None)
-def _register() -> str | None:
-    """Build, load and register the FFI target once per process. Returns None when it worked,
+def _register(source: Path = SOURCE, target: str = TARGET) -> str | None:
+    """Build, load and register an FFI target once per process. Returns None when it worked,
     else the reason it did not."""
     try:
-        lib = ctypes.cdll.LoadLibrary(str(build()))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, SYMBOL)), platform="cpu")
+        lib = ctypes.cdll.LoadLibrary(str(build(source=source)))
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, SYMBOL)), platform="cpu")
     except (NativeUnavailable, OSError, AttributeError) as e:
         return str(e)
     return None
+
+
+def register_source(source: Path) -> str:
+    """Build another version of attention.cc and register it beside the project's own; returns
+    the target to pass to `attention(..., target=)`. For benchmarks that compare kernels in one
+    process, in turn."""
+    source = Path(source).resolve()
+    target = f"{TARGET}_{hashlib.sha256(source.read_bytes()).hexdigest()[:12]}"
+    reason = _register(source, target)
+    if reason is not None:
+        raise NativeUnavailable(reason)
+    return target
 
 
 def available() -> bool:
@@ -119,21 +132,31 @@ def available() -> bool:
     return _register() is None
 
 
+def bf16_pair_products() -> bool:
+    """Whether the kernel, as built for this CPU, reads a bfloat16 pool (head dim a multiple of
+    32, blocks a multiple of 16 tokens) with AVX512_BF16's pair products: the queries and the
+    softmax weights then enter those products rounded to bfloat16 and every sum is float32, as
+    flash attention does on an accelerator. Without those instructions pages are widened to
+    float32 and the queries and weights stay float32."""
+    flags = set(_cpu_features().split())
+    return {"avx512f", "avx512_bf16"} <= flags
+
+
 def unavailable_reason() -> str | None:
     return _register()
 
 
-def attention(qg, k_new, v_new, k_cache, v_cache, layer, tables, layout):
+def attention(qg, k_new, v_new, k_cache, v_cache, layer, tables, layout, target: str = TARGET):
     """Drop-in for `pagedjax.attention.xla.xla_attention` (same arguments, same result): qg f32
     [T, KVH, G, D] scaled queries; k_new, v_new [T, KVH, D] the step's own K/V; the pool
     [L, KVH, NB, BS, D] f32 or bf16, not yet holding them; layer an int32 scalar; tables [T, P]
     each token's row's block table; layout the `TokenLayout` of the step. Returns f32
-    [T, KVH * G, D] (0 for padding tokens)."""
-    reason = _register()
+    [T, KVH * G, D] (0 for padding tokens). `target`: one from `register_source`."""
+    reason = _register() if target == TARGET else None
     if reason is not None:
         raise NativeUnavailable(reason)
     T, KVH, G, D = qg.shape
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((T, KVH, G, D), jnp.float32))
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((T, KVH, G, D), jnp.float32))
     i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
     f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
     o = call(f32(qg), f32(k_new), f32(v_new), k_cache, v_cache, i32(layer), i32(tables),

@@ -8,7 +8,9 @@
 //      position order, so that is the run of same-row tokens ending at the token),
 // with one online softmax. XLA spends most of the time of its version gathering pages into
 // temporaries and dispatching many tiny products; here each page is read once per token group
-// while it sits in L1/L2, and the work is spread over XLA's intra-op thread pool.
+// while it sits in L1/L2, and the work is spread over XLA's intra-op thread pool. A bfloat16
+// pool is read in place: on CPUs with AVX512_BF16 by bf16 pair products (queries and softmax
+// weights rounded to bf16, float32 sums: AttendHeadsBf16), else widened to float32 (LoadChunk).
 //
 //   q      f32 [T, KVH, G, D]      scaled queries, grouped by kv head
 //   k_new  f32 [T, KVH, D]         this step's keys (rotary applied) and values
@@ -23,7 +25,7 @@
 //   o      f32 [T, KVH, G, D]       the attention output
 //
 // Built on first use by pagedjax/native/__init__.py (g++ -O3 -march=native -ffast-math) and
-// checked against the pure-jnp ragged reference in tests/test_native_attention.py.
+// checked against the pure-jnp ragged reference in tests/test_cpu_attention.py.
 
 #include <algorithm>
 #include <atomic>
@@ -158,10 +160,54 @@ inline __m512 Pair(__m512 y0, __m512 y1) {
                        _mm512_shuffle_f32x4(y0, y1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// Query heads g, g + 1, ... of one kv head taken kGN at a time, then the rest (kGN <= 4):
+// attend(std::integral_constant<int, GN>, g) for each group, GN its size.
+template <int kGN, typename F>
+inline void ForHeadGroups(int64_t G, F&& attend) {
+  int64_t g = 0;
+  for (; g + kGN <= G; g += kGN) attend(std::integral_constant<int, kGN>{}, g);
+  switch (G - g) {
+    case 1: attend(std::integral_constant<int, 1>{}, g); break;
+    case 2: if constexpr (kGN > 2) attend(std::integral_constant<int, 2>{}, g); break;
+    case 3: if constexpr (kGN > 3) attend(std::integral_constant<int, 3>{}, g); break;
+  }
+}
+
+// The scores of 16 rows for GN query heads, rows past `live` set to kNoScore. row_dot(j, part)
+// writes part[g] = the 16-lane products of head g with row j (the row loaded once for all
+// heads); the lanes of 16 rows are summed by Quad and Pair.
+template <int GN, typename RowDot>
+inline void Scores16(RowDot&& row_dot, __mmask16 live, __m512 (&sc)[GN]) {
+  __m512 y[GN][4];
+  for (int r = 0; r < 4; ++r) {  // four rows at a time
+    __m512 part[4][GN];
+    for (int j = 0; j < 4; ++j) row_dot(4 * r + j, part[j]);
+    for (int g = 0; g < GN; ++g) y[g][r] = Quad(part[0][g], part[1][g], part[2][g], part[3][g]);
+  }
+  for (int g = 0; g < GN; ++g)
+    sc[g] = _mm512_mask_blend_ps(live, _mm512_set1_ps(kNoScore), Pair(Pair(y[g][0], y[g][1]), Pair(y[g][2], y[g][3])));
+}
+
+// One head's online-softmax update over 16 scores: the running max and denominator move, the
+// output's NC chunks are rescaled, and the weights are returned (0 past `live`) as round(p)
+// makes them, the denominator summing exactly those.
+template <int NC, typename Round>
+inline __m512 SoftmaxUpdate(__m512 sc, __mmask16 live, float* mx, float* dn, __m512 (&o)[NC], Round round) {
+  const float m_old = *mx;
+  const float m_new = std::max(m_old, _mm512_reduce_max_ps(sc));
+  const __m512 p = round(_mm512_maskz_mov_ps(live, Exp512(_mm512_sub_ps(sc, _mm512_set1_ps(m_new)))));
+  const float alpha = std::exp(m_old - m_new);  // 0 on the first rows
+  *dn = *dn * alpha + _mm512_reduce_add_ps(p);
+  *mx = m_new;
+  const __m512 al = _mm512_set1_ps(alpha);
+  for (int c = 0; c < NC; ++c) o[c] = _mm512_mul_ps(o[c], al);
+  return p;
+}
+
 // A 16-float chunk of a K/V row. f32 rows: chunk c is values [16c, 16c + 16). bf16 rows (as
 // their bits): 32 values fill one 64-byte load, and the two chunks made from it are the even-
-// and the odd-indexed values (a shift and a mask, no shuffles) -- the "split" order of
-// SplitPermute. Scores do not depend on the order of d as long as q is in the same order, and
+// and the odd-indexed values (a shift and a mask, no shuffles) -- Order::kSplit.
+// Scores do not depend on the order of d as long as q is in the same order, and
 // the output accumulates in that order too, so a bf16 page is read straight from the pool.
 inline __m512 LoadChunk(const float* row, int c) { return _mm512_loadu_ps(row + 16 * c); }
 inline __m512 LoadChunk(const uint16_t* row, int c) {
@@ -188,35 +234,18 @@ inline void AttendHeadsAvx512(const float* __restrict q, const KV* __restrict k,
     const __mmask16 live = static_cast<__mmask16>((1u << nj) - 1);
     const KV* kc = k + j0 * D;
     const KV* vc = v + j0 * D;
-    // scores, four rows at a time
-    __m512 y[GN][4];
-    for (int r = 0; r < 4; ++r) {
-      __m512 part[GN][4];
-      for (int j = 0; j < 4; ++j) {
-        const KV* kj = kc + (4 * r + j) * D;
-        const __m512 k0 = LoadChunk(kj, 0);
-        for (int g = 0; g < GN; ++g) part[g][j] = _mm512_mul_ps(_mm512_loadu_ps(q + g * D), k0);
-        for (int c = 1; c < DC; ++c) {
-          const __m512 kx = LoadChunk(kj, c);
-          for (int g = 0; g < GN; ++g) part[g][j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + 16 * c), kx, part[g][j]);
-        }
+    __m512 sc[GN];
+    Scores16<GN>([&](int j, __m512 (&part)[GN]) {
+      const KV* kj = kc + j * D;
+      const __m512 k0 = LoadChunk(kj, 0);
+      for (int g = 0; g < GN; ++g) part[g] = _mm512_mul_ps(_mm512_loadu_ps(q + g * D), k0);
+      for (int c = 1; c < DC; ++c) {
+        const __m512 kx = LoadChunk(kj, c);
+        for (int g = 0; g < GN; ++g) part[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + 16 * c), kx, part[g]);
       }
-      for (int g = 0; g < GN; ++g) y[g][r] = Quad(part[g][0], part[g][1], part[g][2], part[g][3]);
-    }
-    // online softmax, per head
-    for (int g = 0; g < GN; ++g) {
-      const __m512 sc = _mm512_mask_blend_ps(live, _mm512_set1_ps(kNoScore),
-                                             Pair(Pair(y[g][0], y[g][1]), Pair(y[g][2], y[g][3])));
-      const float m_old = s.mx[g];
-      const float m_new = std::max(m_old, _mm512_reduce_max_ps(sc));
-      const __m512 p = _mm512_maskz_mov_ps(live, Exp512(_mm512_sub_ps(sc, _mm512_set1_ps(m_new))));
-      const float alpha = std::exp(m_old - m_new);  // 0 on the first rows
-      s.dn[g] = s.dn[g] * alpha + _mm512_reduce_add_ps(p);
-      s.mx[g] = m_new;
-      _mm512_store_ps(pb[g], p);
-      const __m512 al = _mm512_set1_ps(alpha);
-      for (int c = 0; c < DC; ++c) o[g][c] = _mm512_mul_ps(o[g][c], al);
-    }
+    }, live, sc);
+    for (int g = 0; g < GN; ++g)
+      _mm512_store_ps(pb[g], SoftmaxUpdate(sc[g], live, s.mx + g, s.dn + g, o[g], [](__m512 p) { return p; }));
     // values
     for (int64_t j = 0; j < nj; ++j) {
       const KV* vj = vc + j * D;
@@ -230,38 +259,119 @@ inline void AttendHeadsAvx512(const float* __restrict q, const KV* __restrict k,
     for (int c = 0; c < DC; ++c) _mm512_storeu_ps(s.acc + g * D + 16 * c, o[g][c]);
 }
 
-// All G query heads of one kv head, kGN at a time, then the rest.
-template <int DC, typename KV>
-inline void AttendAvx512(const float* q, int64_t G, const KV* k, const KV* v, int64_t n, State s) {
-  constexpr int kGN = 16 / DC < 4 ? 16 / DC : 4;
-  constexpr int64_t D = 16 * DC;
-  const auto heads = [&](int64_t g) { return State{s.mx + g, s.dn + g, s.acc + g * D}; };
-  int64_t g = 0;
-  for (; g + kGN <= G; g += kGN) AttendHeadsAvx512<DC, kGN>(q + g * D, k, v, n, heads(g));
-  switch (G - g) {
-    case 0: return;
-    case 1: return AttendHeadsAvx512<DC, 1>(q + g * D, k, v, n, heads(g));
-    case 2: if constexpr (kGN > 2) return AttendHeadsAvx512<DC, 2>(q + g * D, k, v, n, heads(g)); break;
-    case 3: if constexpr (kGN > 3) return AttendHeadsAvx512<DC, 3>(q + g * D, k, v, n, heads(g)); break;
+#if defined(__AVX512BF16__)
+// The bf16 page path on CPUs with AVX512_BF16: products of bfloat16 pairs summed into float32
+// lanes (vdpbf16ps), as flash attention multiplies bf16 operands with f32 accumulation. The
+// queries and the softmax weights enter as bfloat16 (rounded to nearest); every sum is float32.
+// Against widening each page to f32 this halves the vector instructions per cached position.
+//
+// Scores: a K row's 32-value chunk against the same chunk of bf16 q gives 16 lanes of pair sums,
+// in natural order of d. Values: two rows' chunks interleaved (unpacklo/hi_epi16) pair V[j][d]
+// with V[j+1][d], weighted by (p[j], p[j+1]); the output lanes then run in "pairs" order
+// (PairsPermute): lane 4l + i of accumulator 2c + h is d = 32c + 8l + 4h + i.
+inline __m512bh AsBh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
+
+template <int KC, int GN>
+inline void AttendHeadsBf16(const uint16_t* __restrict qb, const uint16_t* __restrict k,
+                            const uint16_t* __restrict v, int64_t n, State s) {
+  constexpr int64_t D = 32 * KC;
+  alignas(64) uint32_t pp[GN][8];  // the weights of rows 2i and 2i+1 as one bf16 pair
+  __m512 o[GN][2 * KC];
+  for (int g = 0; g < GN; ++g)
+    for (int c = 0; c < 2 * KC; ++c) o[g][c] = _mm512_loadu_ps(s.acc + g * D + 16 * c);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t nj = std::min<int64_t>(16, n - j0);
+    const __mmask16 live = static_cast<__mmask16>((1u << nj) - 1);
+    const uint16_t* kc = k + j0 * D;
+    const uint16_t* vc = v + j0 * D;
+    __m512 sc[GN];
+    Scores16<GN>([&](int j, __m512 (&part)[GN]) {
+      const uint16_t* kj = kc + j * D;
+      for (int g = 0; g < GN; ++g) part[g] = _mm512_setzero_ps();
+      for (int c = 0; c < KC; ++c) {
+        const __m512bh kx = AsBh(_mm512_loadu_si512(kj + 32 * c));
+        for (int g = 0; g < GN; ++g)
+          part[g] = _mm512_dpbf16_ps(part[g], kx, AsBh(_mm512_loadu_si512(qb + g * D + 32 * c)));
+      }
+    }, live, sc);
+    for (int g = 0; g < GN; ++g) {
+      // the weights rounded to bf16 (exactly representable, so converting again is exact)
+      const __m512 p = SoftmaxUpdate(sc[g], live, s.mx + g, s.dn + g, o[g], [](__m512 x) {
+        const __m256bh b = _mm512_cvtneps_pbh(x);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(b)), 16));
+      });
+      const __m256bh pb = _mm512_cvtneps_pbh(p);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pp[g]), reinterpret_cast<const __m256i&>(pb));
+    }
+    // rows past nj have weight 0 (and exist: 16 rows are read from every chunk start)
+    for (int64_t i = 0; 2 * i < nj; ++i) {
+      const uint16_t* v0 = vc + 2 * i * D;
+      for (int c = 0; c < KC; ++c) {
+        const __m512i a = _mm512_loadu_si512(v0 + 32 * c);
+        const __m512i b = _mm512_loadu_si512(v0 + D + 32 * c);
+        const __m512bh lo = AsBh(_mm512_unpacklo_epi16(a, b));
+        const __m512bh hi = AsBh(_mm512_unpackhi_epi16(a, b));
+        for (int g = 0; g < GN; ++g) {
+          const __m512bh w = AsBh(_mm512_set1_epi32(static_cast<int>(pp[g][i])));
+          o[g][2 * c] = _mm512_dpbf16_ps(o[g][2 * c], lo, w);
+          o[g][2 * c + 1] = _mm512_dpbf16_ps(o[g][2 * c + 1], hi, w);
+        }
+      }
+    }
   }
+  for (int g = 0; g < GN; ++g)
+    for (int c = 0; c < 2 * KC; ++c) _mm512_storeu_ps(s.acc + g * D + 16 * c, o[g][c]);
+}
+
+// All G query heads of one kv head, as AttendAvx512 takes them.
+template <int KC>
+inline void AttendBf16(const uint16_t* qb, int64_t G, const uint16_t* k, const uint16_t* v, int64_t n, State s) {
+  constexpr int64_t D = 32 * KC;
+  ForHeadGroups<(8 / KC < 4 ? 8 / KC : 4)>(G, [&](auto gn, int64_t g) {
+    AttendHeadsBf16<KC, decltype(gn)::value>(qb + g * D, k, v, n, State{s.mx + g, s.dn + g, s.acc + g * D});
+  });
 }
 #endif
 
-// The order LoadChunk reads a bf16 row in: per 32 values, the 16 even-indexed then the 16 odd.
-inline void SplitPermute(float* __restrict dst, const float* __restrict src, int64_t D) {
-  for (int64_t b = 0; b < D; b += 32)
-    for (int64_t i = 0; i < 16; ++i) {
-      dst[b + i] = src[b + 2 * i];
-      dst[b + 16 + i] = src[b + 2 * i + 1];
-    }
+// All G query heads of one kv head.
+template <int DC, typename KV>
+inline void AttendAvx512(const float* q, int64_t G, const KV* k, const KV* v, int64_t n, State s) {
+  constexpr int64_t D = 16 * DC;
+  ForHeadGroups<(16 / DC < 4 ? 16 / DC : 4)>(G, [&](auto gn, int64_t g) {
+    AttendHeadsAvx512<DC, decltype(gn)::value>(q + g * D, k, v, n, State{s.mx + g, s.dn + g, s.acc + g * D});
+  });
+}
+#endif
+
+// The orders of d the fast paths hold queries, this step's K/V rows and the output in.
+//   kNatural: d itself.
+//   kSplit:   per 32 values, the 16 even-indexed then the 16 odd (LoadChunk's bf16 order).
+//   kPairs:   AttendHeadsBf16's output order: lane 4l + i of 16-float chunk 2c + h holds
+//             d = 32c + 8l + 4h + i.
+enum class Order { kNatural, kSplit, kPairs };
+
+// The index in d of position i of a row in `order`.
+inline int64_t SourceIndex(Order order, int64_t i) {
+  const int64_t b = i / 32 * 32, r = i % 32;
+  switch (order) {
+    case Order::kSplit: return b + (r < 16 ? 2 * r : 2 * (r - 16) + 1);
+    case Order::kPairs: return b + 8 * (r % 16 / 4) + 4 * (r / 16) + r % 4;
+    default: return i;
+  }
 }
 
-inline void SplitUnpermute(float* __restrict dst, const float* __restrict src, int64_t D) {
-  for (int64_t b = 0; b < D; b += 32)
-    for (int64_t i = 0; i < 16; ++i) {
-      dst[b + 2 * i] = src[b + i];
-      dst[b + 2 * i + 1] = src[b + 16 + i];
-    }
+inline void Permute(Order order, float* __restrict dst, const float* __restrict src, int64_t D) {
+  for (int64_t i = 0; i < D; ++i) dst[i] = src[SourceIndex(order, i)];
+}
+
+inline void Unpermute(Order order, float* __restrict dst, const float* __restrict src, int64_t D) {
+  for (int64_t i = 0; i < D; ++i) dst[SourceIndex(order, i)] = src[i];
+}
+
+inline uint16_t F32ToBf16(float x) {  // round to nearest even; x is finite
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
 // kD: the head dim when it is one the fast path is compiled for (64, 128), 0 otherwise.
@@ -278,19 +388,20 @@ class Kernel {
     const int64_t D = kD ? kD : s_.D;
     const int64_t n_tok = it.t1 - it.t0;
     const int64_t ctx = start_[it.t0];
-    // bf16 pages read in place by the fast path: queries, this step's K/V rows and the output
-    // are in its split order (SplitPermute)
-    const bool split = kSplit && BS % 16 == 0;
+    // bf16 pages read in place (the fast paths read 16 rows from every chunk start): queries and
+    // this step's keys are then held in q_order, this step's values and the output in out_order
+    const bool in_place = kInPlace != Order::kNatural && BS % 16 == 0;
+    const Order q_order = in_place && kInPlace == Order::kSplit ? Order::kSplit : Order::kNatural;
+    const Order out_order = in_place ? kInPlace : Order::kNatural;
     std::vector<float> mx(n_tok * G, kNoScore), dn(n_tok * G, 0.f), acc(n_tok * G * D, 0.f), qv(n_tok * G * D);
+    std::vector<uint16_t> qb(in_place && kInPlace == Order::kPairs ? n_tok * G * D : 0);  // bf16 queries
     std::vector<float> scratch(G * 16);
     auto state = [&](int64_t t) { return State{&mx[t * G], &dn[t * G], &acc[t * G * D]}; };
     for (int64_t t = 0; t < n_tok; ++t) {
       const float* qt = q_ + (((it.t0 + t) * KVH + it.h) * G) * D;
-      if (split)
-        for (int64_t g = 0; g < G; ++g) SplitPermute(&qv[(t * G + g) * D], qt + g * D, D);
-      else
-        std::memcpy(&qv[t * G * D], qt, G * D * sizeof(float));
+      for (int64_t g = 0; g < G; ++g) Permute(q_order, &qv[(t * G + g) * D], qt + g * D, D);
     }
+    for (size_t i = 0; i < qb.size(); ++i) qb[i] = F32ToBf16(qv[i]);
 
     // 1. the cached context, page by page
     const int32_t* table = tables_ + it.t0 * s_.P;
@@ -298,7 +409,7 @@ class Kernel {
     const KV* k_head = k_ + ((layer_ * KVH + it.h) * s_.NB) * page_elems;
     const KV* v_head = v_ + ((layer_ * KVH + it.h) * s_.NB) * page_elems;
     std::vector<float> kbuf, vbuf;
-    if (!std::is_same_v<KV, float> && !split) {
+    if (!std::is_same_v<KV, float> && !in_place) {
       kbuf.resize(page_elems);
       vbuf.resize(page_elems);
     }
@@ -320,9 +431,17 @@ class Kernel {
       const KV* kp_raw = k_head + static_cast<int64_t>(table[p]) * page_elems;
       const KV* vp_raw = v_head + static_cast<int64_t>(table[p]) * page_elems;
 #if defined(__AVX512F__)
-      if constexpr (kSplit) {
-        if (split) {
-          for (int64_t t = 0; t < n_tok; ++t) AttendAvx512<kD / 16>(&qv[t * G * D], G, kp_raw, vp_raw, n, state(t));
+      if constexpr (kInPlace != Order::kNatural) {
+        if (in_place) {
+          for (int64_t t = 0; t < n_tok; ++t) {
+#if defined(__AVX512BF16__)
+            if constexpr (kInPlace == Order::kPairs) {
+              AttendBf16<kD / 32>(&qb[t * G * D], G, kp_raw, vp_raw, n, state(t));
+              continue;
+            }
+#endif
+            AttendAvx512<kD / 16>(&qv[t * G * D], G, kp_raw, vp_raw, n, state(t));
+          }
           continue;
         }
       }
@@ -348,15 +467,8 @@ class Kernel {
     const int64_t padded = (n_new + 15) / 16 * 16;
     std::vector<float> kr(padded * D, 0.f), vr(padded * D, 0.f);
     for (int64_t u = 0; u < n_new; ++u) {
-      const float* ku = k_new_ + ((it.row_first + u) * KVH + it.h) * D;
-      const float* vu = v_new_ + ((it.row_first + u) * KVH + it.h) * D;
-      if (split) {
-        SplitPermute(&kr[u * D], ku, D);
-        SplitPermute(&vr[u * D], vu, D);
-      } else {
-        std::memcpy(&kr[u * D], ku, D * sizeof(float));
-        std::memcpy(&vr[u * D], vu, D * sizeof(float));
-      }
+      Permute(q_order, &kr[u * D], k_new_ + ((it.row_first + u) * KVH + it.h) * D, D);
+      Permute(out_order, &vr[u * D], v_new_ + ((it.row_first + u) * KVH + it.h) * D, D);
     }
     for (int64_t t = 0; t < n_tok; ++t)
       Attend(&qv[t * G * D], kr.data(), vr.data(), it.t0 + t - it.row_first + 1, true, state(t), scratch.data());
@@ -367,22 +479,25 @@ class Kernel {
       for (int64_t g = 0; g < G; ++g) {
         float* a = &acc[(t * G + g) * D];
         const float inv = 1.f / dn[t * G + g];
-        if (split) {
-          for (int64_t d = 0; d < D; ++d) a[d] *= inv;
-          SplitUnpermute(out + g * D, a, D);
-        } else {
-          for (int64_t d = 0; d < D; ++d) out[g * D + d] = a[d] * inv;
-        }
+        for (int64_t d = 0; d < D; ++d) a[d] *= inv;
+        Unpermute(out_order, out + g * D, a, D);
       }
     }
   }
 
  private:
-  // bf16 pages can be read in place (LoadChunk) when the fast path covers the head dim
-#if defined(__AVX512F__)
-  static constexpr bool kSplit = std::is_same_v<KV, uint16_t> && kD > 0 && kD % 32 == 0;
+  // How bf16 pages are read in place, where the fast path covers the head dim: kPairs with
+  // AVX512_BF16's pair products, kSplit by widening to f32; kNatural: they are not.
+#if defined(__AVX512BF16__)
+  static constexpr Order kBf16Order = Order::kPairs;
 #else
-  static constexpr bool kSplit = false;
+  static constexpr Order kBf16Order = Order::kSplit;
+#endif
+#if defined(__AVX512F__)
+  static constexpr Order kInPlace =
+      std::is_same_v<KV, uint16_t> && kD > 0 && kD % 32 == 0 ? kBf16Order : Order::kNatural;
+#else
+  static constexpr Order kInPlace = Order::kNatural;
 #endif
 
   // rows_padded: 16 rows can be read from every chunk start
