@@ -7,11 +7,13 @@ prefill chunks after cached context that fill whole 16-token tiles (the XLA one-
 share tiles with other rows (its per-token branch), padding rows and tokens, block sizes from 1
 to 32 and contexts ending on and off page and chunk edges. The native kernel is also run with
 head dims 64 and 128 (its AVX-512 paths, where the CPU has them) and a bfloat16 pool, read in place (with
-AVX512_BF16's bf16 pair products where the CPU has them)."""
+AVX512_BF16's bf16 pair products where the CPU has them, and then also with a build that widens
+pages to float32, as CPUs without them do)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import subprocess
 import sys
@@ -151,6 +153,28 @@ def test_native_any_number_of_query_heads_per_kv_head(groups, D, dtype):
     want = reference(q, k, v, pool, attn)
     valid = np.asarray(valid)
     np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], **tolerance("native", dtype))
+
+
+@pytest.mark.parametrize("case, D, groups", [("mixed step", 64, 3), ("chunks sharing tiles", 128, 5),
+                                             ("decode only", 64, 4)])
+def test_native_widened_bf16_path_on_a_cpu_with_pair_products(case, D, groups):
+    """CPUs with AVX-512 but without AVX512_BF16 widen bf16 pages to float32 and keep all
+    arithmetic float32. Where this CPU has the pair products, the kernel built with
+    -mno-avx512bf16 takes that path: it matches the reference at float32 tolerance."""
+    require_native()
+    if not native.bf16_pair_products():
+        pytest.skip("this CPU takes the widened path in every other bf16 test")
+    attention = functools.partial(native.attention, target=native.register_source(extra_flags=("-mno-avx512bf16",)))
+    rows = CASES[case]
+    rng = np.random.default_rng(D * 10 + groups)
+    T = -(-sum(n for _, n in rows) // 8) * 8 + 8
+    P = -(-max(c + n for c, n in rows) // 16) + 1
+    pool, q, k, v, attn = make_batch(rng, rows, 16, T, len(rows) + 1, P, (len(rows) + 1) * P + 2, D, groups)
+    pool = tuple(c.astype(jnp.bfloat16) for c in pool)
+    got, valid = cpu_path(attention, groups)(q, k, v, pool, attn)
+    want = reference(q, k, v, pool, attn)
+    valid = np.asarray(valid)
+    np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("D", [16, 64])

@@ -52,12 +52,12 @@ def compiler() -> str | None:
     return None
 
 
-def _library_path(cxx: str, source: Path) -> Path:
+def _library_path(cxx: str, source: Path, flags: tuple[str, ...]) -> Path:
     from pagedjax.model.hub import cache_dir
 
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     key = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(FLAGS).encode(), _jaxlib_version().encode(), "".join(version).encode(),
+    for part in (source.read_bytes(), " ".join(flags).encode(), _jaxlib_version().encode(), "".join(version).encode(),
                  platform.machine().encode(), _cpu_features().encode()):
         key.update(part)
         key.update(b"\0")
@@ -80,20 +80,22 @@ def _jaxlib_version() -> str:
     return jaxlib.__version__
 
 
-def build(force: bool = False, source: Path = SOURCE) -> Path:
+def build(force: bool = False, source: Path = SOURCE, extra_flags: tuple[str, ...] = ()) -> Path:
     """Compile the kernel library if this machine has no current build; returns its path.
     Raises `NativeUnavailable` with the compiler's message when it cannot. `source`: another
-    version of attention.cc (a benchmark comparing kernels side by side)."""
+    version of attention.cc (a benchmark comparing kernels side by side); `extra_flags`: added
+    to the compiler's (e.g. `-mno-avx512bf16` to build the path CPUs without it take)."""
+    flags = (*FLAGS, *extra_flags)
     cxx = compiler()
     if cxx is None:
         raise NativeUnavailable("no C++ compiler found (tried $CXX, g++, c++)")
-    lib = _library_path(cxx, Path(source))
+    lib = _library_path(cxx, Path(source), flags)
     if lib.is_file() and not force:
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         part = Path(tmp) / lib.name
-        cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(source), "-o", str(part)]
+        cmd = [cxx, *flags, f"-I{jax.ffi.include_dir()}", str(source), "-o", str(part)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise NativeUnavailable(f"`{' '.join(cmd)}` exited with {proc.returncode}:\n"
@@ -104,24 +106,25 @@ def build(force: bool = False, source: Path = SOURCE) -> Path:
 
 
 @lru_cache(maxsize=None)
-def _register(source: Path = SOURCE, target: str = TARGET) -> str | None:
+def _register(source: Path = SOURCE, target: str = TARGET, extra_flags: tuple[str, ...] = ()) -> str | None:
     """Build, load and register an FFI target once per process. Returns None when it worked,
     else the reason it did not."""
     try:
-        lib = ctypes.cdll.LoadLibrary(str(build(source=source)))
+        lib = ctypes.cdll.LoadLibrary(str(build(source=source, extra_flags=extra_flags)))
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, SYMBOL)), platform="cpu")
     except (NativeUnavailable, OSError, AttributeError) as e:
         return str(e)
     return None
 
 
-def register_source(source: Path) -> str:
-    """Build another version of attention.cc and register it beside the project's own; returns
-    the target to pass to `attention(..., target=)`. For benchmarks that compare kernels in one
-    process, in turn."""
+def register_source(source: Path = SOURCE, extra_flags: tuple[str, ...] = ()) -> str:
+    """Build another version of attention.cc, or this one with `extra_flags`, and register it
+    beside the project's own; returns the target to pass to `attention(..., target=)`. For
+    benchmarks that compare kernels in one process and tests of paths this CPU would not take."""
     source = Path(source).resolve()
-    target = f"{TARGET}_{hashlib.sha256(source.read_bytes()).hexdigest()[:12]}"
-    reason = _register(source, target)
+    key = hashlib.sha256(source.read_bytes() + " ".join(extra_flags).encode()).hexdigest()[:12]
+    target = f"{TARGET}_{key}"
+    reason = _register(source, target, tuple(extra_flags))
     if reason is not None:
         raise NativeUnavailable(reason)
     return target

@@ -268,7 +268,7 @@ inline void AttendHeadsAvx512(const float* __restrict q, const KV* __restrict k,
 // Scores: a K row's 32-value chunk against the same chunk of bf16 q gives 16 lanes of pair sums,
 // in natural order of d. Values: two rows' chunks interleaved (unpacklo/hi_epi16) pair V[j][d]
 // with V[j+1][d], weighted by (p[j], p[j+1]); the output lanes then run in "pairs" order
-// (PairsPermute): lane 4l + i of accumulator 2c + h is d = 32c + 8l + 4h + i.
+// (Order::kPairs): lane 4l + i of accumulator 2c + h is d = 32c + 8l + 4h + i.
 inline __m512bh AsBh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
 
 template <int KC, int GN>
