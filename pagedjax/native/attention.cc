@@ -361,11 +361,20 @@ inline int64_t SourceIndex(Order order, int64_t i) {
 }
 
 inline void Permute(Order order, float* __restrict dst, const float* __restrict src, int64_t D) {
+  if (order == Order::kNatural) {
+    std::memcpy(dst, src, D * sizeof(float));
+    return;
+  }
   for (int64_t i = 0; i < D; ++i) dst[i] = src[SourceIndex(order, i)];
 }
 
-inline void Unpermute(Order order, float* __restrict dst, const float* __restrict src, int64_t D) {
-  for (int64_t i = 0; i < D; ++i) dst[SourceIndex(order, i)] = src[i];
+// dst in natural order = src (in `order`) times scale, in one pass.
+inline void UnpermuteScaled(Order order, float* __restrict dst, const float* __restrict src, float scale, int64_t D) {
+  if (order == Order::kNatural) {
+    for (int64_t i = 0; i < D; ++i) dst[i] = src[i] * scale;
+    return;
+  }
+  for (int64_t i = 0; i < D; ++i) dst[SourceIndex(order, i)] = src[i] * scale;
 }
 
 inline uint16_t F32ToBf16(float x) {  // round to nearest even; x is finite
@@ -477,10 +486,7 @@ class Kernel {
     for (int64_t t = 0; t < n_tok; ++t) {
       float* out = o_ + ((it.t0 + t) * KVH + it.h) * G * D;
       for (int64_t g = 0; g < G; ++g) {
-        float* a = &acc[(t * G + g) * D];
-        const float inv = 1.f / dn[t * G + g];
-        for (int64_t d = 0; d < D; ++d) a[d] *= inv;
-        Unpermute(out_order, out + g * D, a, D);
+        UnpermuteScaled(out_order, out + g * D, &acc[(t * G + g) * D], 1.f / dn[t * G + g], D);
       }
     }
   }
