@@ -380,7 +380,8 @@ class LLMEngine:
     # -- weights -----------------------------------------------------------------------------------
     @property
     def params(self):
-        """The weights the step runs with (a pytree of jax arrays; see `update_weights`)."""
+        """The weights the step runs with, in the model's layout (a pytree of jax arrays; a stacked
+        copy on the native CPU path, whose step reads them unstacked; see `update_weights`)."""
         return self.runner.params
 
     def update_weights(self, params, *, abort: bool = False, wait: bool = False, copy: bool = True

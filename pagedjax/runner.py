@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import logging
 import time
+import weakref
 from typing import Any
 
 import jax
@@ -36,7 +37,7 @@ from pagedjax import parallel
 from pagedjax.attention import init_kv_cache, make_attention, resolve_backend
 from pagedjax.config import EngineConfig
 from pagedjax.logits_processors import apply_logits_processors
-from pagedjax.model.llama import ModelConfig, compute_logits, forward
+from pagedjax.model.llama import ModelConfig, compute_logits, forward, stack_layers, unstack_layers
 from pagedjax.pallas.common import DeviceLimits, device_limits
 from pagedjax.sampling import greedy, logprob_and_rank, resample, sample_processed
 from pagedjax.scheduler.batch import SamplingInputs, StepInput, step_fields
@@ -174,6 +175,23 @@ def make_step(cfg: ModelConfig, *, backend: str, num_logprobs: int = 0, logits_h
                              logits_hook=logits_hook, mesh=mesh, unroll=unroll)
 
 
+_UNSTACKED: dict[tuple[int, ...], tuple[list, Any]] = {}
+
+
+def _unstacked_once(params):
+    """unstack_layers(params), once per set of loaded weights: engines built on one loaded model
+    (a benchmark's systems, a block-size sweep) share one unstacked copy, which lives as long as
+    the loaded weights do."""
+    leaves = jax.tree.leaves(params)
+    key = tuple(map(id, leaves))
+    hit = _UNSTACKED.get(key)
+    if hit is not None and all(ref() is leaf for ref, leaf in zip(hit[0], leaves)):
+        return hit[1]
+    _UNSTACKED[key] = ([weakref.ref(leaf) for leaf in leaves], unstack_layers(params))
+    weakref.finalize(leaves[0], _UNSTACKED.pop, key, None)
+    return _UNSTACKED[key][1]
+
+
 @dataclasses.dataclass
 class Dispatched:
     """A step started on the device: its results (device arrays, not waited for) and real rows."""
@@ -187,7 +205,6 @@ class ModelRunner:
                  *, num_host_blocks: int = 0, kv_dtype: Any = None, num_logprobs: int = 0,
                  logits_hook=None):
         self.cfg = model_config
-        self.params = params
         self.config = config
         self.num_blocks = num_blocks
         self.backend = resolve_backend(config.attention_backend, config.tensor_parallel_size)
@@ -203,9 +220,14 @@ class ModelRunner:
         else:
             self.kv_storage_dtype = self.kv_dtype
             self.mesh = parallel.make_mesh(tp)
-            self.params = params = parallel.shard_params(params, self.mesh)
+            params = parallel.shard_params(params, self.mesh)
             self.kv_cache = parallel.init_sharded_kv_cache(model_config, self.mesh, num_blocks, config.block_size,
                                                            self.kv_dtype)
+        # the weights as the step reads them: unstacked on the native CPU path (see unstack_layers);
+        # `params` gives them back in the model's layout, checked against what was loaded
+        self.unstacked = tp == 1 and make_attention(self.backend).unstacked_layers
+        self.loaded = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), params)
+        self.step_params = _unstacked_once(params) if self.unstacked else params
         # each device holds 1/N of the pool: the same per-device budget holds N times the tokens
         self.kv_bytes_per_device = parallel.kv_bytes_per_device(model_config, num_blocks, config.block_size,
                                                                 self.kv_dtype, tp)
@@ -228,16 +250,23 @@ class ModelRunner:
             self._copy = functools.partial(_copy_fn, mesh=self.mesh)
             self._scatter = functools.partial(_scatter_fn, mesh=self.mesh)
 
+    @property
+    def params(self) -> Any:
+        """The weights in the model's layout (pagedjax.model.llama); a stacked copy where the step
+        reads them unstacked (the native CPU path)."""
+        return stack_layers(self.step_params) if self.unstacked else self.step_params
+
     def set_params(self, params: Any, copy: bool = True) -> float:
         """Replace the weights by `params` of the same tree structure, shapes and dtypes (and, for
         jax arrays, shardings) as the loaded ones, refused with ValueError naming the first leaf
         that differs. The step takes the weights as an argument, so nothing compiles. copy=True:
         the engine keeps a copy (one device copy of the params), so the caller may donate or
         overwrite its own arrays afterwards; copy=False: it holds the caller's device arrays as
-        they are (no copy; they must then stay alive and unchanged). Host arrays are placed with
-        the loaded model's shardings either way. Returns seconds spent."""
+        they are (no copy; they must then stay alive and unchanged), except where the step reads
+        them unstacked (the native CPU path), which copies them. Host arrays are placed with the
+        loaded model's shardings either way. Returns seconds spent."""
         t0 = time.perf_counter()
-        old_leaves, old_def = jax.tree_util.tree_flatten_with_path(self.params)
+        old_leaves, old_def = jax.tree_util.tree_flatten_with_path(self.loaded)
         new_leaves, new_def = jax.tree_util.tree_flatten_with_path(params)
         if old_def != new_def:
             old_paths = [jax.tree_util.keystr(p) for p, _ in old_leaves]
@@ -254,9 +283,10 @@ class ModelRunner:
             if isinstance(new, jax.Array) and not new.sharding.is_equivalent_to(old.sharding, old.ndim):
                 raise ValueError(f"{name}: sharding {new.sharding} is not the loaded model's {old.sharding}; place it "
                                  "with jax.device_put(leaf, <the model's leaf>.sharding)")
-        self.params = jax.tree.map(lambda new, old: jax.device_put(new, old.sharding, may_alias=False if copy else None),
-                                   params, self.params)
-        jax.block_until_ready(self.params)
+        params = jax.tree.map(lambda new, old: jax.device_put(new, old.sharding, may_alias=False if copy else None),
+                              params, self.loaded)
+        self.step_params = unstack_layers(params) if self.unstacked else params
+        jax.block_until_ready(self.step_params)
         return time.perf_counter() - t0
 
     def _inputs(self, step, prev_tokens=None):
@@ -300,7 +330,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         inputs = self._inputs(host, None if feed is None else feed.results[0])
         step_fn = self._compiled.get(host.bucket, self._step)
-        results, logits, self.kv_cache, self.last_hidden = step_fn(self.params, self.kv_cache, inputs)
+        results, logits, self.kv_cache, self.last_hidden = step_fn(self.step_params, self.kv_cache, inputs)
         random = bool(np.any(host.sampling.temperature > 0))
         if procs is not None:
             results = self._process(results, logits, inputs, self._inputs(procs), random)
@@ -340,7 +370,7 @@ class ModelRunner:
         return jax.device_get(self._prompt_logprobs(self.last_hidden, targets))
 
     def _prompt_logprobs(self, hidden, targets):
-        return prompt_logprobs_step(self.params, hidden, targets, cfg=self.cfg, num_logprobs=max(self.num_logprobs, 1))
+        return prompt_logprobs_step(self.step_params, hidden, targets, cfg=self.cfg, num_logprobs=max(self.num_logprobs, 1))
 
     # -- block moves -----------------------------------------------------------------------------
     @staticmethod
@@ -386,12 +416,12 @@ class ModelRunner:
             if self.mesh is None:
                 # compiled (or loaded from the persistent cache) without running it: running the
                 # large buckets once costs seconds; the small calls below take zeros of its outputs
-                compiled = self._step.func.lower(self.params, self.kv_cache, inputs, **self._step.keywords).compile()
+                compiled = self._step.func.lower(self.step_params, self.kv_cache, inputs, **self._step.keywords).compile()
                 self._compiled[(T, S, P)] = compiled
                 results, logits, _, hidden = compiled.out_info
                 results, logits, hidden = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), (results, logits, hidden))
             else:
-                results, logits, self.kv_cache, hidden = self._step(self.params, self.kv_cache, inputs)
+                results, logits, self.kv_cache, hidden = self._step(self.step_params, self.kv_cache, inputs)
             if T not in prompt_rows and max_model_len:  # prompt logprobs: once per token bucket
                 prompt_rows.add(T)
                 jax.block_until_ready(self._prompt_logprobs(hidden, np.zeros(T, np.int32)))

@@ -38,7 +38,7 @@ from pagedjax.runner import make_step
 from pagedjax.scheduler.batch import StepInput
 from pagedjax.scheduler.logits_inputs import LogitsPacker
 from pagedjax.attention import Attention, AttentionMetadata, init_kv_cache, make_attention
-from pagedjax.model.llama import attn_out_and_mlp, compute_logits, forward, linear, rms_norm
+from pagedjax.model.llama import attn_out_and_mlp, compute_logits, forward, layers_unstacked, linear, rms_norm
 from pagedjax.sampling_params import SamplingParams
 from pagedjax.scheduler.sequence import RequestStatus
 
@@ -61,7 +61,11 @@ def matmul_only_step(params, cfg, B: int):
             o = q + (k.sum() + v.sum()) * 0
             return attn_out_and_mlp(cfg, lp, x, o), None
 
-        x, _ = jax.lax.scan(layer, x, params["layers"])
+        if layers_unstacked(params):   # as the engine's step reads them (see unstack_layers)
+            for lp in params["layers"]:
+                x, _ = layer(x, lp)
+        else:
+            x, _ = jax.lax.scan(layer, x, params["layers"])
         h = rms_norm(x, params["norm"], cfg.rms_norm_eps)
         w = params["embed_tokens"].T if cfg.tie_word_embeddings else params["lm_head"]
         return jnp.max(h @ w, axis=-1)
@@ -193,7 +197,7 @@ def time_hidden_output(eng, B: int, n: int):
 
     def runner(fn):
         def run():
-            out = fn(eng.runner.params, kv["pool"], inputs)
+            out = fn(eng.runner.step_params, kv["pool"], inputs)
             kv["pool"] = out[2]
             jax.block_until_ready(out[0])
         run()
@@ -249,7 +253,7 @@ def main() -> int:
         while any(r.num_output_tokens == 0 for r in eng.scheduler.requests.values()):
             eng.step()
         eng.step()
-        mm_step = matmul_only_step(eng.runner.params, eng.model_config, B)
+        mm_step = matmul_only_step(eng.runner.step_params, eng.model_config, B)
         compiles = eng.num_compilations
         full, mm = timed_in_turn([eng.step, mm_step], args.steps)  # side by side: drift hits both
         decode_compilations = eng.num_compilations - compiles
@@ -263,7 +267,7 @@ def main() -> int:
             pages = max(p for p in eng.config.page_buckets if p)  # any bucket: the work follows the context
             # blocks scattered over the pool as a long-running server's are; the two timed in turn
             fwd, fwd_noctx = timed_in_turn(
-                [forward_step(eng.runner.params, eng.model_config, B, round(context),
+                [forward_step(eng.runner.step_params, eng.model_config, B, round(context),
                               eng.config.block_size, pages, with_context=w, shuffled=True,
                               backend=eng.backend)
                  for w in (True, False)],

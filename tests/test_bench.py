@@ -311,7 +311,7 @@ def test_engine_bench_builds_each_system_from_the_same_weights_and_arguments():
     assert (contiguous.config.scheduling, contiguous.config.allocation) == ("continuous", "contiguous")
     import jax
 
-    same = zip(jax.tree.leaves(contiguous.runner.params), jax.tree.leaves(static.runner.params))
+    same = zip(jax.tree.leaves(contiguous.runner.step_params), jax.tree.leaves(static.runner.step_params))
     assert all(a is b for a, b in same)  # the same weight arrays, not copies
     assert contiguous.num_compilations == compiles  # same shapes: its warm-up found every bucket compiled
     with pytest.raises(ValueError, match="engine system"):

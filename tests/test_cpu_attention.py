@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -239,3 +240,37 @@ def test_bench_cpu_attention_script_runs_every_table_layout(tmp_path):
     for kernel in report["results"].values():
         assert set(kernel) == {"sequential", "scattered", "cached"}
         assert all(r["best_ms"] > 0 for r in kernel.values())
+
+
+def _pool_copies(hlo: str, pool_elems: int) -> list[str]:
+    """The `copy` instructions of a compiled module that copy something the size of a pool."""
+    copies = []
+    for m in re.finditer(r"= \w+\[([\d,]*)\]\{[^}]*\} copy\(", hlo):
+        if int(np.prod([int(d) for d in m.group(1).split(",") if d])) >= pool_elems:
+            copies.append(m.group(0))
+    return copies
+
+
+@pytest.mark.parametrize("backend,unstacked", [("native", True), ("native", False), ("reference", False)])
+@pytest.mark.parametrize("T", [1, 8])
+def test_the_compiled_step_writes_the_pool_in_place(backend, unstacked, T):
+    """The donated pool is updated where it lies: the step's K/V written after the layers must
+    not make XLA copy the whole pool (every layer's attention reads it first; the native call
+    hands it back so the write is ordered after the reads), whether the layers run over the
+    stacked or the unstacked weights, and for a one-token step too (a one-row scatter that XLA
+    turns into a dynamic-update-slice that read the pool, and copied it, before)."""
+    if backend == "native":
+        require_native()
+    from pagedjax.model.llama import ModelConfig, init_random_params, unstack_layers
+    from pagedjax.runner import make_step
+    from pagedjax.scheduler.batch import StepInput
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
+                      num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
+                      max_position_embeddings=256, tie_word_embeddings=True)
+    params = init_random_params(cfg, jax.random.key(0))
+    params = unstack_layers(params) if unstacked else params
+    kv = tuple(jnp.zeros((cfg.num_layers, cfg.num_kv_heads, 40, 16, cfg.head_dim), jnp.float32) for _ in range(2))
+    step = make_step(cfg, backend=backend)
+    hlo = step.func.lower(params, kv, StepInput.padding(T, min(T, 4), 4), **step.keywords).compile().as_text()
+    assert _pool_copies(hlo, kv[0].size) == []

@@ -18,7 +18,7 @@ import torch
 from helpers import require_native
 from pagedjax.attention import AttentionMetadata, init_kv_cache, make_attention
 from pagedjax.model import ModelConfig, compute_logits, forward, load_model
-from pagedjax.model.llama import init_random_params, rope_inv_freq
+from pagedjax.model.llama import init_random_params, rope_inv_freq, unstack_layers
 
 BLOCK_SIZE = 4
 
@@ -183,14 +183,17 @@ def test_config_from_hf(tiny):
                                       hf.model.layers[i].self_attn.q_proj.weight.detach().numpy().T)
 
 
-@pytest.mark.parametrize("backend", ["jnp", "reference", "native", "pallas"])
+@pytest.mark.parametrize("backend", ["jnp", "reference", "native", "native, unstacked", "pallas"])
 def test_ragged_prefill_and_decode_match_hf(tiny, backend):
     """4 prompts prefilled in one call; then greedy decode with a 5th prompt arriving mid-way,
     prefilled in two chunks alongside the others' decode tokens. Every attention backend: the
-    Pallas kernel (interpreted) reads its layer of the stacked pool the loop carries."""
+    Pallas kernel (interpreted) reads its layer of the stacked pool the loop carries. "unstacked":
+    the layers over one array per weight per layer, run one after another (the engine's CPU path)."""
+    backend, _, layout = backend.partition(", ")
     if backend == "native":
         require_native()
     name, hf, cfg, params, _ = tiny
+    params = unstack_layers(params) if layout == "unstacked" else params
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (5, 1, 12, 7, 9)]
     T, S, max_blocks, num_blocks = 40, 6, 8, 48
@@ -241,18 +244,25 @@ def test_ragged_prefill_and_decode_match_hf(tiny, backend):
     assert gen == seqs[0][: len(gen)]
 
 
-@pytest.mark.parametrize("backend", ["jnp", "reference"])
+@pytest.mark.parametrize("backend", ["jnp", "reference", "native", "native, unstacked"])
 def test_padding_rows_write_nothing(backend):
     """slot -1 rows leave the cache untouched; real rows land exactly at their slots, whether each
-    layer writes its K/V in the loop ("jnp") or the model writes them all after it ("reference")."""
+    layer writes its K/V in the loop ("jnp") or the model writes them all after it ("reference",
+    "native"); and a one-token step writes its one token, or nothing when it is padding."""
     from transformers import LlamaConfig
 
+    backend, _, layout = backend.partition(", ")
+    if backend == "native":
+        require_native()
     cfg = ModelConfig.from_hf(LlamaConfig(**TINY, rope_theta=10000.0, architectures=["LlamaForCausalLM"]))
     params = init_random_params(cfg, jax.random.key(0))
+    params = unstack_layers(params) if layout == "unstacked" else params
     num_blocks = 6
     kv = init_kv_cache(cfg, num_blocks, BLOCK_SIZE)
     slots = jnp.array([5, -1, 9, -1], jnp.int32)
-    attn = AttentionMetadata(slots, jnp.array([[1, 2, 0]], jnp.int32), jnp.array([2], jnp.int32),
+    # (the native kernel refuses a row with fewer positions than tokens: there it counts all four)
+    context = 4 if backend == "native" else 2
+    attn = AttentionMetadata(slots, jnp.array([[1, 2, 0]], jnp.int32), jnp.array([context], jnp.int32),
                              jnp.array([0, 4], jnp.int32), jnp.asarray(1, jnp.int32))
     # two real tokens at rows 0 and 2; context_lens counts them but the rows in between are padding,
     # which the model must not write however the attention treats them
@@ -262,6 +272,13 @@ def test_padding_rows_write_nothing(backend):
     written = np.any(flat != 0, axis=(0, 1, 3))
     assert sorted(np.nonzero(written)[0].tolist()) == [5, 9]
     assert np.all(np.asarray(v).reshape(flat.shape)[:, :, [5, 9]] != 0)
+    for slot, expect in ((-1, []), (7, [7])):
+        one = AttentionMetadata(jnp.array([slot], jnp.int32), jnp.array([[1, 0, 0]], jnp.int32),
+                                jnp.array([1], jnp.int32), jnp.array([0, 1], jnp.int32), jnp.asarray(1, jnp.int32))
+        _, (k, _) = forward(params, cfg, jnp.array([3], jnp.int32), jnp.array([0], jnp.int32),
+                            init_kv_cache(cfg, num_blocks, BLOCK_SIZE), one, make_attention(backend))
+        flat = np.asarray(k).reshape(cfg.num_layers, cfg.num_kv_heads, num_blocks * BLOCK_SIZE, cfg.head_dim)
+        assert np.nonzero(np.any(flat != 0, axis=(0, 1, 3)))[0].tolist() == expect
 
 
 def test_bfloat16_close_to_hf_f32(tmp_path):

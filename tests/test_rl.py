@@ -33,6 +33,7 @@ def llm():
 
 def test_mismatched_params_are_refused_naming_the_leaf(llm):
     params = llm.params
+    held = llm.llm_engine.runner.step_params   # the weights as the step reads them
     bad_shape = jax.tree.map(lambda w: w, params)
     bad_shape["layers"]["q_proj"] = jnp.zeros((1, 2, 3), jnp.float32)
     with pytest.raises(ValueError, match=r"params\['layers'\]\['q_proj'\]: shape \(1, 2, 3\) is not the loaded"):
@@ -43,7 +44,7 @@ def test_mismatched_params_are_refused_naming_the_leaf(llm):
     missing = {k: v for k, v in params.items() if k != "norm"}
     with pytest.raises(ValueError, match="the tree differs from the loaded model's"):
         llm.update_weights(missing)
-    assert llm.params is params   # nothing changed
+    assert llm.llm_engine.runner.step_params is held   # nothing changed
 
 
 def test_running_requests_must_be_aborted_or_finished(llm):

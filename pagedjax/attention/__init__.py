@@ -7,9 +7,9 @@
 q [T, H, D] and k, v [T, KVH, D] are a layer's projections (rotary embeddings applied), in the
 model's dtype; kv_cache is the whole stacked pool `(k_cache, v_cache)`, each
 [L, KVH, num_blocks, block_size, D] (pagedjax.attention.cache); layer is the layer's index (an
-int32 scalar, traced inside the scanned layer loop); meta is the step's AttentionMetadata. o is
-[T, H, D] in q's dtype, with zeros for padding tokens. A backend object is hashable: the jitted
-step takes it as a static argument.
+int32 scalar: traced inside the scanned layer loop, a constant when the layers are unstacked);
+meta is the step's AttentionMetadata. o is [T, H, D] in q's dtype, with zeros for padding
+tokens. A backend object is hashable: the jitted step takes it as a static argument.
 
 Two ways to get a step's own K/V into the attention, one per kind of backend:
   writes_kv = True   ("pallas", "jnp"): each layer scatters its K/V into its layer of the pool,
@@ -19,7 +19,9 @@ Two ways to get a step's own K/V into the attention, one per kind of backend:
   writes_kv = False  ("reference", "native"): the pool is only read inside the loop; each token
                      attends to its row's cached context in the pool plus the step's own K/V,
                      and the model writes every layer's K/V once after the loop. This is the
-                     CPU's way (see pagedjax.attention.xla for why).
+                     CPU's way (see pagedjax.attention.xla for why). They hand the pool back
+                     unchanged; "native" through its C++ call (aliased buffers), which orders
+                     the write after every layer's read so XLA never copies the pool for it.
 
 Backends:
   "pallas"     the ragged Pallas kernel (pagedjax.pallas), tiled for the device `limits` describe;
@@ -57,6 +59,8 @@ class Attention:
     """The interface (see the module docstring). Subclasses are frozen dataclasses."""
 
     writes_kv: bool = False
+    # whether the step should run the layers over unstacked weights (pagedjax.model.llama.unstack_layers)
+    unstacked_layers: bool = False
 
     def pool_dtype(self, dtype):
         """The dtype the pool is stored in for values of `dtype` (see cache.values_dtype)."""
@@ -133,6 +137,7 @@ class _Split(Attention):
         return layout, meta.block_tables[layout.seq]          # each token's row's table [T, P]
 
     def split(self, qg, k, v, k_cache, v_cache, layer, tables, layout):
+        """-> (o, (k_cache, v_cache)): the output and the pool, unchanged."""
         raise NotImplementedError
 
     def __call__(self, q, k, v, kv_cache, layer, plan):
@@ -140,7 +145,7 @@ class _Split(Attention):
         T, H, D = q.shape
         kvh = k.shape[1]
         qg = q.astype(jnp.float32).reshape(T, kvh, H // kvh, D) * D ** -0.5
-        o = self.split(qg, k, v, kv_cache[0], kv_cache[1], layer, tables, layout)
+        o, kv_cache = self.split(qg, k, v, kv_cache[0], kv_cache[1], layer, tables, layout)
         return o.astype(q.dtype), kv_cache
 
 
@@ -151,12 +156,17 @@ class XlaAttention(_Split):
     def split(self, qg, k, v, k_cache, v_cache, layer, tables, layout):
         from pagedjax.attention.xla import xla_attention
 
-        return xla_attention(qg, k, v, k_cache, v_cache, layer, tables, layout)
+        return xla_attention(qg, k, v, k_cache, v_cache, layer, tables, layout), (k_cache, v_cache)
 
 
 @dataclasses.dataclass(frozen=True)
 class NativeAttention(_Split):
     """The "native" backend: the same in one C++ call per layer (pagedjax.native)."""
+
+    # the call hands the pool back, so layers laid out one after another still write it in place
+    # (XLA's attention ops could not: their reads would make XLA copy the pool), and XLA:CPU
+    # copies a stacked weight's slice before every matmul
+    unstacked_layers = True
 
     def pool_dtype(self, dtype):
         # a bfloat16 pool as its bits: the kernel reads them as bfloat16 either way, and the
@@ -166,7 +176,9 @@ class NativeAttention(_Split):
     def split(self, qg, k, v, k_cache, v_cache, layer, tables, layout):
         from pagedjax import native
 
-        return native.attention(qg, k, v, k_cache, v_cache, layer, tables, layout)
+        # the pool handed back through the call: the step's K/V write after the layers then
+        # waits for every layer's read, and XLA writes the pool in place
+        return native.attention(qg, k, v, k_cache, v_cache, layer, tables, layout, passing_pool=True)
 
 
 def resolve_backend(backend: str, tensor_parallel_size: int = 1, platform: str | None = None) -> str:

@@ -56,6 +56,12 @@ def write_kv(cache: jax.Array, new: jax.Array, slot_mapping: jax.Array) -> jax.A
     # -1 would wrap around to the last slot under numpy indexing rules: send it out of range instead,
     # where mode="drop" discards it.
     slots = jnp.where(slot_mapping < 0, nb * bs, slot_mapping)
+    if slots.shape[0] == 1:
+        # one row: XLA turns the scatter into a dynamic-update-slice that reads the slot it
+        # replaces (to drop it), and on a CPU copies the whole pool to do that; a second,
+        # dropped row keeps it a scatter, done in place
+        slots = jnp.concatenate([slots, jnp.full(1, nb * bs, slots.dtype)])
+        new = jnp.concatenate([new, jnp.zeros_like(new)], axis=-3)
     flat = flat.at[..., slots, :].set(jnp.swapaxes(_bits(_finite(new, values_dtype(cache))), -3, -2), mode="drop")
     return _unbits(flat.reshape(cache.shape), cache.dtype)
 

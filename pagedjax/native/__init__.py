@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("attention.cc")
 TARGET = "pagedjax_cpu_attention"
 SYMBOL = "PagedjaxCpuAttention"
+PASSING_POOL = ("_passing_pool", "PassingPool")   # the suffixes of the handler that hands the pool back
 # -ffast-math lets the dot products and exp vectorise (glibc's vector exp); the kernel never
 # computes with infinities (see kNoScore in the source)
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC")
@@ -112,6 +113,9 @@ def _register(source: Path = SOURCE, target: str = TARGET, extra_flags: tuple[st
     try:
         lib = ctypes.cdll.LoadLibrary(str(build(source=source, extra_flags=extra_flags)))
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, SYMBOL)), platform="cpu")
+        if hasattr(lib, SYMBOL + PASSING_POOL[1]):   # another version of the source may not have it
+            jax.ffi.register_ffi_target(target + PASSING_POOL[0], jax.ffi.pycapsule(getattr(lib, SYMBOL + PASSING_POOL[1])),
+                                        platform="cpu")
     except (NativeUnavailable, OSError, AttributeError) as e:
         return str(e)
     return None
@@ -149,19 +153,36 @@ def unavailable_reason() -> str | None:
     return _register()
 
 
-def attention(qg, k_new, v_new, k_cache, v_cache, layer, tables, layout, target: str = TARGET):
+def attention(qg, k_new, v_new, k_cache, v_cache, layer, tables, layout, target: str = TARGET,
+              *, passing_pool: bool = False):
     """Drop-in for `pagedjax.attention.xla.xla_attention` (same arguments, same result): qg f32
     [T, KVH, G, D] scaled queries; k_new, v_new [T, KVH, D] the step's own K/V; the pool
     [L, KVH, NB, BS, D] f32 or bf16, not yet holding them; layer an int32 scalar; tables [T, P]
     each token's row's block table; layout the `TokenLayout` of the step. Returns f32
-    [T, KVH * G, D] (0 for padding tokens). `target`: one from `register_source`."""
+    [T, KVH * G, D] (0 for padding tokens). `target`: one from `register_source`.
+
+    passing_pool=True returns `(o, (k_cache, v_cache))`: the pool handed back unchanged, in the
+    same buffers. Thread it on (the next layer's call, then the step's K/V write) and the write
+    comes after every read by construction, so XLA updates the donated pool in place; a write
+    into the pool the calls were given could not be ordered after the last of them, and XLA
+    copies the whole pool to keep that read safe. Unless the pool is donated or threaded on,
+    XLA copies it before the call instead."""
     reason = _register() if target == TARGET else None
     if reason is not None:
         raise NativeUnavailable(reason)
     T, KVH, G, D = qg.shape
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((T, KVH, G, D), jnp.float32))
+    out = jax.ShapeDtypeStruct((T, KVH, G, D), jnp.float32)
+    if passing_pool:
+        like = lambda c: jax.ShapeDtypeStruct(c.shape, c.dtype)  # noqa: E731
+        call = jax.ffi.ffi_call(target + PASSING_POOL[0], (out, like(k_cache), like(v_cache)),
+                                input_output_aliases={3: 1, 4: 2})
+    else:
+        call = jax.ffi.ffi_call(target, out)
     i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
     f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
-    o = call(f32(qg), f32(k_new), f32(v_new), k_cache, v_cache, i32(layer), i32(tables),
-             i32(jnp.where(layout.valid, layout.seq, -1)), i32(jnp.where(layout.valid, layout.start, 0)))
-    return o.reshape(T, KVH * G, D)
+    result = call(f32(qg), f32(k_new), f32(v_new), k_cache, v_cache, i32(layer), i32(tables),
+                  i32(jnp.where(layout.valid, layout.seq, -1)), i32(jnp.where(layout.valid, layout.start, 0)))
+    if passing_pool:
+        o, k_cache, v_cache = result
+        return o.reshape(T, KVH * G, D), (k_cache, v_cache)
+    return result.reshape(T, KVH * G, D)

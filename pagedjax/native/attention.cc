@@ -644,19 +644,34 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::
   return ffi::Error::Success();
 }
 
+// The same, handing the pool back as two more results that alias its operands (the kernel never
+// writes them): a step that writes its K/V into the pool after the layers then depends on every
+// layer's read, and XLA updates the pool in place instead of copying it to keep those reads safe.
+ffi::Error ImplPassingPool(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,
+                           ffi::Buffer<ffi::F32> v_new, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                           ffi::Buffer<ffi::S32> layer_buf, ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> seq,
+                           ffi::Buffer<ffi::S32> start, ffi::ResultBuffer<ffi::F32> o, ffi::Result<ffi::AnyBuffer>,
+                           ffi::Result<ffi::AnyBuffer>) {
+  return Impl(pool, q, k_new, v_new, k, v, layer_buf, tables, seq, start, o);
+}
+
+auto Operands() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()   // q
+      .Arg<ffi::Buffer<ffi::F32>>()   // k_new
+      .Arg<ffi::Buffer<ffi::F32>>()   // v_new
+      .Arg<ffi::AnyBuffer>()          // k pool
+      .Arg<ffi::AnyBuffer>()          // v pool
+      .Arg<ffi::Buffer<ffi::S32>>()   // layer
+      .Arg<ffi::Buffer<ffi::S32>>()   // tables
+      .Arg<ffi::Buffer<ffi::S32>>()   // seq
+      .Arg<ffi::Buffer<ffi::S32>>()   // start
+      .Ret<ffi::Buffer<ffi::F32>>();  // o
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxCpuAttention, Impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_new
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_new
-                                  .Arg<ffi::AnyBuffer>()         // k pool
-                                  .Arg<ffi::AnyBuffer>()         // v pool
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // tables
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // seq
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // start
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // o
-);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxCpuAttention, Impl, Operands());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxCpuAttentionPassingPool, ImplPassingPool,
+                              Operands().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());  // k, v pool
