@@ -3,11 +3,11 @@
     step(params, kv_cache, StepInput) -> (greedy ids, logprobs, finite), logits, kv_cache, hidden
 
 compiled once per bucket (T tokens, S rows, P block-table columns) with the cache donated, so
-the new K/V are written in place. Three small jitted calls follow it only in the steps that need
-them: `resample_step` (a row samples), `process_step` (a row uses logits processors: penalties,
-biases, bans) and `prompt_logprobs_step` (a row prefills a prompt whose logprobs were asked for). Which requests run only changes the values of the inputs:
-after `warmup()` has compiled every bucket, requests joining and leaving never compile again
-(`num_compilations` counts every trace in the process).
+the new K/V are written in place. Small jitted calls follow it only in the steps that need them:
+`resample_step` (a row samples), `process_step` (a row uses logits processors), `top_logprobs_step`
+and `prompt_logprobs_step` (a row asks for top logprobs, of its output or of its prompt). Which
+requests run only changes the inputs' values: after `warmup()` has compiled every bucket, requests
+joining and leaving never compile again (`num_compilations` counts every trace in the process).
 
 The model's attention is one backend object of pagedjax.attention ("pallas", "native",
 "reference", "jnp"; "auto" resolved there), a static argument of the step.
@@ -38,6 +38,7 @@ from pagedjax.attention import init_kv_cache, make_attention, resolve_backend
 from pagedjax.config import EngineConfig
 from pagedjax.logits_processors import apply_logits_processors
 from pagedjax.model.llama import ModelConfig, compute_logits, forward, stack_layers, unstack_layers
+from pagedjax.model.weights import check_params_like
 from pagedjax.pallas.common import DeviceLimits, device_limits
 from pagedjax.sampling import greedy, logprob_and_rank, resample, sample_processed
 from pagedjax.scheduler.batch import SamplingInputs, StepInput, step_fields
@@ -74,10 +75,9 @@ def _keep_pool_sharding(kv_cache, mesh):
     return jax.lax.with_sharding_constraint(kv_cache, (parallel.kv_sharding(mesh),) * len(kv_cache))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "attention", "num_logprobs", "logits_hook", "mesh", "unroll"),
+@functools.partial(jax.jit, static_argnames=("cfg", "attention", "logits_hook", "mesh", "unroll"),
                    donate_argnums=(1,))
-def _step_fn(params, kv_cache, step: StepInput, *, cfg, attention, num_logprobs, logits_hook, mesh=None,
-             unroll=False):
+def _step_fn(params, kv_cache, step: StepInput, *, cfg, attention, logits_hook, mesh=None, unroll=False):
     _trace()
     # tokens the previous step sampled, which the host did not have when it packed this one
     token_ids = jnp.where(step.token_source >= 0, step.prev_tokens[jnp.maximum(step.token_source, 0)], step.token_ids)
@@ -91,10 +91,11 @@ def _step_fn(params, kv_cache, step: StepInput, *, cfg, attention, num_logprobs,
         logits = logits_hook(logits, step)
     finite = jnp.all(jnp.isfinite(logits), axis=-1)
     safe = jnp.where(finite[:, None], logits, 0.0)
-    tokens, logprob, lse, top_ids, top_lps = greedy(safe, num_logprobs)
-    # the (masked) logits stay on the device for `resample_step` and `process_step`, which run only
-    # when a row samples or uses logits processors, and the hidden states for `prompt_logprobs_step`;
-    # a greedy token's rank is 1 (the first of the highest logits)
+    tokens, logprob, lse, top_ids, top_lps = greedy(safe)
+    # the (masked) logits stay on the device for `resample_step`, `process_step` and
+    # `top_logprobs_step`, which run only when a row samples, uses logits processors or asks for
+    # top logprobs, and the hidden states for `prompt_logprobs_step`; a greedy token's rank is 1
+    # (the first of the highest logits); the top ids and logprobs are empty ([S, 0])
     return (tokens, logprob, jnp.ones_like(tokens), top_ids, top_lps, finite), (safe, lse), kv_cache, hidden
 
 
@@ -121,6 +122,18 @@ def process_step(safe, lse, sampling: SamplingInputs, procs: LogitsInputs, *, ra
     logits = apply_logits_processors(safe, procs)
     return sample_processed(logits, safe, lse, s.temperature, s.top_k, s.top_p, s.min_p, s.seeds,
                             s.sample_positions, random=random)
+
+
+@functools.partial(jax.jit, static_argnames=("num_logprobs",))
+def top_logprobs_step(safe, lse, *, num_logprobs):
+    """(top ids int32[S, K], their logprobs f32[S, K]) of the step's logits, K = num_logprobs: a
+    call of its own, run only in steps where some row asks for top logprobs; inside the step, the
+    top-k over the whole [S, V] log-softmax doubled the cost of choosing the greedy tokens (32 rows
+    of SmolLM2's 49,152-token vocabulary on a 2-core CPU: 12.9 ms instead of 6.6). One compilation
+    per row bucket S."""
+    _trace()
+    top_lps, top_ids = jax.lax.top_k(safe - lse[:, None], num_logprobs)
+    return top_ids.astype(jnp.int32), top_lps
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "num_logprobs"))
@@ -164,15 +177,15 @@ def _scatter_fn(kv_cache, ids, blocks, *, mesh=None):
     return _keep_pool_sharding(tuple(c.at[:, :, ids].set(b) for c, b in zip(kv_cache, blocks)), mesh)
 
 
-def make_step(cfg: ModelConfig, *, backend: str, num_logprobs: int = 0, logits_hook=None, mesh=None,
-              limits: DeviceLimits | None = None, unroll: bool = False):
+def make_step(cfg: ModelConfig, *, backend: str, logits_hook=None, mesh=None, limits: DeviceLimits | None = None,
+              unroll: bool = False):
     """The jitted step `ModelRunner` runs: step(params, kv_cache, inputs) -> (results, logits,
     kv_cache), the cache donated. `limits` describes the device the Pallas kernels are tiled and
     compiled for (default: the local one); `pagedjax.aot` passes a named TPU's or GPU's to compile
     the step for it from a CPU. unroll: the layers without a loop (see `forward`)."""
     attention = make_attention(backend, limits=limits or device_limits(), mesh=mesh)
-    return functools.partial(_step_fn, cfg=cfg, attention=attention, num_logprobs=num_logprobs,
-                             logits_hook=logits_hook, mesh=mesh, unroll=unroll)
+    return functools.partial(_step_fn, cfg=cfg, attention=attention, logits_hook=logits_hook, mesh=mesh,
+                             unroll=unroll)
 
 
 _UNSTACKED: dict[tuple[int, ...], tuple[list, Any]] = {}
@@ -243,8 +256,7 @@ class ModelRunner:
         self.last_hidden = None   # the last step's hidden states, for prompt logprobs
         self._no_feed: dict[int, jax.Array] = {}   # prev_tokens of a step fed by none
         self._compiled: dict[tuple[int, int, int], Any] = {}   # the step compiled ahead of time, by bucket
-        self._step = make_step(model_config, backend=self.backend, num_logprobs=num_logprobs,
-                               logits_hook=logits_hook, mesh=self.mesh)
+        self._step = make_step(model_config, backend=self.backend, logits_hook=logits_hook, mesh=self.mesh)
         self._copy, self._gather, self._scatter = _copy_fn, _gather_fn, _scatter_fn
         if self.mesh is not None:
             self._copy = functools.partial(_copy_fn, mesh=self.mesh)
@@ -266,23 +278,7 @@ class ModelRunner:
         them unstacked (the native CPU path), which copies them. Host arrays are placed with the
         loaded model's shardings either way. Returns seconds spent."""
         t0 = time.perf_counter()
-        old_leaves, old_def = jax.tree_util.tree_flatten_with_path(self.loaded)
-        new_leaves, new_def = jax.tree_util.tree_flatten_with_path(params)
-        if old_def != new_def:
-            old_paths = [jax.tree_util.keystr(p) for p, _ in old_leaves]
-            new_paths = [jax.tree_util.keystr(p) for p, _ in new_leaves]
-            first = next((f"{a} vs {b}" for a, b in zip(old_paths, new_paths) if a != b),
-                         f"{len(new_paths)} leaves vs the model's {len(old_paths)}")
-            raise ValueError(f"params: the tree differs from the loaded model's (first difference: params{first})")
-        for (path, old), (_, new) in zip(old_leaves, new_leaves):
-            name = "params" + jax.tree_util.keystr(path)
-            if tuple(new.shape) != tuple(old.shape):
-                raise ValueError(f"{name}: shape {tuple(new.shape)} is not the loaded model's {tuple(old.shape)}")
-            if jnp.dtype(new.dtype) != old.dtype:
-                raise ValueError(f"{name}: dtype {jnp.dtype(new.dtype).name} is not the loaded model's {old.dtype.name}")
-            if isinstance(new, jax.Array) and not new.sharding.is_equivalent_to(old.sharding, old.ndim):
-                raise ValueError(f"{name}: sharding {new.sharding} is not the loaded model's {old.sharding}; place it "
-                                 "with jax.device_put(leaf, <the model's leaf>.sharding)")
+        check_params_like(params, self.loaded)
         params = jax.tree.map(lambda new, old: jax.device_put(new, old.sharding, may_alias=False if copy else None),
                               params, self.loaded)
         self.step_params = unstack_layers(params) if self.unstacked else params
@@ -336,6 +332,8 @@ class ModelRunner:
             results = self._process(results, logits, inputs, self._inputs(procs), random)
         elif random:
             results = self._resample(results, logits, inputs)
+        if self.num_logprobs and any((r.sampling_params.logprobs or 0) > 0 for r in out.scheduled):
+            results = self._top_logprobs(results, logits)
         if out.block_copies_after:
             # contiguous forks copy blocks the step itself has just filled
             self.copy_blocks(out.block_copies_after)
@@ -363,6 +361,9 @@ class ModelRunner:
         tokens, logprob, rank, top_ids, top_lps, finite = results
         tokens, logprob, rank = process_step(*logits, inputs.sampling, procs, random=random)
         return tokens, logprob, rank, top_ids, top_lps, finite
+
+    def _top_logprobs(self, results, logits):
+        return results[:3] + top_logprobs_step(*logits, num_logprobs=self.num_logprobs) + results[5:]
 
     def prompt_logprobs(self, targets: np.ndarray):
         """Host arrays (logprob f32[T], rank int32[T], top ids [T, K], top logprobs [T, K]) of
@@ -429,6 +430,8 @@ class ModelRunner:
                 sampled_rows.add(S)
                 jax.block_until_ready(_feed_fn(results[0], rows=self.config.seq_buckets[-1]))
                 jax.block_until_ready(self._resample(results, logits, inputs))
+                if self.num_logprobs:
+                    jax.block_until_ready(self._top_logprobs(results, logits))
                 if max_model_len:
                     procs = self._inputs(LogitsInputs.neutral(S, self.cfg.vocab_size, max_model_len))
                     for random in (False, True):

@@ -52,16 +52,18 @@ def matmul_only_step(params, cfg, B: int):
     def f(params, token_ids):
         x = params["embed_tokens"][token_ids]
 
+        out_in = layers_unstacked(params)  # as the engine's step reads them (see unstack_layers)
+
         def layer(x, lp):
             h = rms_norm(x, lp["input_layernorm"], cfg.rms_norm_eps)
-            q = linear(h, lp["q_proj"], lp, "q_bias")
-            k = linear(h, lp["k_proj"], lp, "k_bias")
-            v = linear(h, lp["v_proj"], lp, "v_bias")
+            q = linear(h, lp["q_proj"], lp, "q_bias", out_in=out_in)
+            k = linear(h, lp["k_proj"], lp, "k_bias", out_in=out_in)
+            v = linear(h, lp["v_proj"], lp, "v_bias", out_in=out_in)
             # keep k and v alive without attention: a negligible reduction
             o = q + (k.sum() + v.sum()) * 0
-            return attn_out_and_mlp(cfg, lp, x, o), None
+            return attn_out_and_mlp(cfg, lp, x, o, out_in=out_in), None
 
-        if layers_unstacked(params):   # as the engine's step reads them (see unstack_layers)
+        if out_in:
             for lp in params["layers"]:
                 x, _ = layer(x, lp)
         else:
@@ -189,7 +191,7 @@ def time_hidden_output(eng, B: int, n: int):
     T = next(t for t in eng.config.token_buckets if t >= B)
     S = eng.packer.rows_for(T)
     P = max(eng.config.page_buckets)
-    full = make_step(eng.model_config, backend=eng.backend, num_logprobs=eng.max_logprobs)
+    full = make_step(eng.model_config, backend=eng.backend)
     lean = jax.jit(lambda p, kv, x: full(p, kv, x)[:3], donate_argnums=(1,))
     kv = {"pool": init_kv_cache(eng.model_config, 64, eng.config.block_size, eng.dtype)}
     inputs = StepInput.padding(T, S, P)

@@ -144,6 +144,28 @@ def test_logprobs_match_hf(llm_ref, hf_tiny):
     assert plain.outputs[0].logprobs is None
 
 
+
+def test_top_logprobs_are_computed_only_in_steps_that_ask_for_them(llm_ref):
+    """The top-k over the whole vocabulary is a call of its own: a step in which no row asks for
+    top logprobs (logprobs None or 0) returns none ([S, 0]); one in which a row does, max_logprobs
+    per row, and the request gets its k."""
+    eng = llm_ref.llm_engine
+    widths = []
+    eng.runner.fetch = lambda d, fetch=eng.runner.fetch: (widths.append(d.results[3].shape[1]), fetch(d))[1]
+    try:
+        prompt = ids(prompts_of(np.random.default_rng(102), [9])[0])
+        for logprobs in (None, 0):
+            out = llm_ref.generate([prompt], SamplingParams(temperature=0, max_tokens=3, logprobs=logprobs),
+                                   use_tqdm=False)[0].outputs[0]
+            assert widths and set(widths) == {0}, (logprobs, widths)
+            assert out.logprobs is None if logprobs is None else all(len(d) == 1 for d in out.logprobs)
+            widths.clear()
+        out = llm_ref.generate([prompt], SamplingParams(temperature=0, max_tokens=3, logprobs=2), use_tqdm=False)
+        assert widths and set(widths) == {eng.max_logprobs}, widths
+        assert all(len(d) in (2, 3) for d in out[0].outputs[0].logprobs)
+    finally:
+        del eng.runner.fetch
+
 def check_prompt_logprobs(plp, prompt, ref, k):
     """vLLM's prompt_logprobs against HF's log_softmax `ref` over the prompt."""
     assert len(plp) == len(prompt) and plp[0] is None

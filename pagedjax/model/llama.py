@@ -3,8 +3,9 @@
 Everything here is jit-friendly: `cfg` is a frozen, hashable dataclass (pass it as a static
 argument), params are a dict of arrays, and the per-layer weights are stacked along a leading
 `num_layers` axis so `forward` runs one `lax.scan` over the layers and its compile time does not
-grow with depth. `unstack_layers` gives the same weights as one dict per layer, which `forward`
-runs one after another (the engine's native CPU path does: see there why).
+grow with depth. `unstack_layers` gives the same weights as one dict per layer, projections
+transposed to `[out, in]`, which `forward` runs one after another (the engine's native CPU path
+does: see there why).
 
 Params (shapes for `cfg`; weights are stored `[in, out]` so a projection is `x @ w`):
 
@@ -243,30 +244,35 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-def linear(x: jax.Array, w: jax.Array, lp: Mapping[str, jax.Array], bias: str) -> jax.Array:
+def linear(x: jax.Array, w: jax.Array, lp: Mapping[str, jax.Array], bias: str, *, out_in: bool = False) -> jax.Array:
+    """x [T, in] times the weight w: `[in, out]` (the model's layout), or `[out, in]` with out_in
+    (the unstacked layout, see `unstack_layers`); plus the layer's bias named `bias`, if any."""
     # NOTE: on GPU, JAX's default f32 matmul precision may use TF32; f32 parity checks there need
     # jax.default_matmul_precision("highest").
-    y = x @ w
+    y = jnp.einsum("ti,oi->to", x, w) if out_in else x @ w
     return y + lp[bias] if bias in lp else y
 
 
-def qkv(cfg: ModelConfig, lp: Mapping[str, jax.Array], x: jax.Array, cos: jax.Array, sin: jax.Array):
-    """A layer's q [T, H, D] and k, v [T, KVH, D] (rotary embeddings applied) from the residual x."""
+def qkv(cfg: ModelConfig, lp: Mapping[str, jax.Array], x: jax.Array, cos: jax.Array, sin: jax.Array,
+        *, out_in: bool = False):
+    """A layer's q [T, H, D] and k, v [T, KVH, D] (rotary embeddings applied) from the residual x.
+    out_in: the layer's weights are `[out, in]` (one layer of `unstack_layers`)."""
     T = x.shape[0]
     h = rms_norm(x, lp["input_layernorm"], cfg.rms_norm_eps)
-    q = linear(h, lp["q_proj"], lp, "q_bias").reshape(T, cfg.num_heads, cfg.head_dim)
-    k = linear(h, lp["k_proj"], lp, "k_bias").reshape(T, cfg.num_kv_heads, cfg.head_dim)
-    v = linear(h, lp["v_proj"], lp, "v_bias").reshape(T, cfg.num_kv_heads, cfg.head_dim)
+    q = linear(h, lp["q_proj"], lp, "q_bias", out_in=out_in).reshape(T, cfg.num_heads, cfg.head_dim)
+    k = linear(h, lp["k_proj"], lp, "k_bias", out_in=out_in).reshape(T, cfg.num_kv_heads, cfg.head_dim)
+    v = linear(h, lp["v_proj"], lp, "v_bias", out_in=out_in).reshape(T, cfg.num_kv_heads, cfg.head_dim)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-def attn_out_and_mlp(cfg: ModelConfig, lp: Mapping[str, jax.Array], x: jax.Array, o: jax.Array) -> jax.Array:
+def attn_out_and_mlp(cfg: ModelConfig, lp: Mapping[str, jax.Array], x: jax.Array, o: jax.Array,
+                     *, out_in: bool = False) -> jax.Array:
     """The rest of a layer after attention: output projection, residual, SwiGLU MLP, residual."""
-    x = x + linear(o.reshape(x.shape[0], -1), lp["o_proj"], lp, "o_bias")
+    x = x + linear(o.reshape(x.shape[0], -1), lp["o_proj"], lp, "o_bias", out_in=out_in)
     h = rms_norm(x, lp["post_attention_layernorm"], cfg.rms_norm_eps)
-    gate = linear(h, lp["gate_proj"], lp, "gate_bias")
-    up = linear(h, lp["up_proj"], lp, "up_bias")
-    return x + linear(jax.nn.silu(gate) * up, lp["down_proj"], lp, "down_bias")
+    gate = linear(h, lp["gate_proj"], lp, "gate_bias", out_in=out_in)
+    up = linear(h, lp["up_proj"], lp, "up_bias", out_in=out_in)
+    return x + linear(jax.nn.silu(gate) * up, lp["down_proj"], lp, "down_bias", out_in=out_in)
 
 
 def forward(params: Mapping[str, Any], cfg: ModelConfig, token_ids: jax.Array, positions: jax.Array,
@@ -294,14 +300,15 @@ def forward(params: Mapping[str, Any], cfg: ModelConfig, token_ids: jax.Array, p
     cos, sin = rope_cos_sin(cfg, positions, dtype)
     x = params["embed_tokens"][token_ids]
     plan = attention.plan(meta, token_ids.shape[0])
+    out_in = layers_unstacked(params)
 
     def layer(x, cache, xs):
         lp, index = xs
-        q, k, v = qkv(cfg, lp, x, cos, sin)
+        q, k, v = qkv(cfg, lp, x, cos, sin, out_in=out_in)
         o, cache = attention(q, k, v, cache, index, plan)
-        return attn_out_and_mlp(cfg, lp, x, o.astype(dtype)), cache, (k, v)
+        return attn_out_and_mlp(cfg, lp, x, o.astype(dtype), out_in=out_in), cache, (k, v)
 
-    if layers_unstacked(params):
+    if out_in:
         kvs = []
         for index, lp in enumerate(params["layers"]):
             x, kv_cache, kv = layer(x, kv_cache, (lp, jnp.int32(index)))
@@ -329,24 +336,33 @@ def layers_unstacked(params: Mapping[str, Any]) -> bool:
 
 def unstack_layers(params: Mapping[str, Any]) -> dict[str, Any]:
     """The same weights with `layers` as a tuple of num_layers dicts, one array per weight per
-    layer (copies). `forward` then runs the layers one after another, each matmul reading its
-    weight where it lies; from the stack, XLA on a CPU first copies each layer's slice out (a
-    dynamic slice feeding a matmul is materialised), so every weight is read twice a step (SmolLM2-135M
-    on a 2-core CPU: decode steps 8-10 % faster unstacked). The price is compile time, which then
-    grows with depth (that engine's 35 buckets: 66 s instead of 46 s, once per machine with the
-    persistent compilation cache)."""
+    layer, each projection matrix transposed to `[out, in]` (copies). `forward` then runs the
+    layers one after another, each matmul reading its weight where it lies; from the stack, XLA on
+    a CPU first copies each layer's slice out (a dynamic slice feeding a matmul is materialised),
+    so every weight is read twice a step (SmolLM2-135M on a 2-core CPU: decode steps 8-10 % faster
+    unstacked). `[out, in]` is the layout XLA's CPU matmuls stream fastest from memory when a few
+    rows meet a large weight: that model's layers' matmuls alone, 30 layers at 8-32 tokens, run
+    10-20 % faster than over `[in, out]`, and alike at 1 and 64-256 tokens (a 2-core AMD Zen 3). The price is compile
+    time, which then grows with depth (that engine's 35 buckets: 66 s instead of 46 s, once per
+    machine with the persistent compilation cache)."""
     if layers_unstacked(params):
         return dict(params)
     leaves, treedef = jax.tree.flatten(params["layers"])
     n = leaves[0].shape[0]
-    return {**params, "layers": tuple(treedef.unflatten([leaf[i] for leaf in leaves]) for i in range(n))}
+    return {**params, "layers": tuple(treedef.unflatten([leaf[i].T if leaf.ndim == 3 else leaf[i] for leaf in leaves])
+                                      for i in range(n))}
 
 
 def stack_layers(params: Mapping[str, Any]) -> dict[str, Any]:
     """The inverse of `unstack_layers`: the model's own layout (a copy when unstacked)."""
     if not layers_unstacked(params):
         return dict(params)
-    return {**params, "layers": jax.tree.map(lambda *ls: jnp.stack(ls), *params["layers"])}
+
+    def stack(*per_layer):
+        stacked = jnp.stack(per_layer)
+        return jnp.swapaxes(stacked, 1, 2) if stacked.ndim == 3 else stacked
+
+    return {**params, "layers": jax.tree.map(stack, *params["layers"])}
 
 
 def causal_forward(params: Mapping[str, Any], cfg: ModelConfig, token_ids: jax.Array) -> jax.Array:

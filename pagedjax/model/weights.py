@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -240,3 +241,26 @@ def write_random_llama(path: str | Path, config: dict, *, seed: int = 0, matrix_
     tensors = {k: (1 + norm_std * rng.standard_normal(s) if "norm" in k else matrix_std * rng.standard_normal(s))
                .astype(np.float32) for k, s in shapes.items()}
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def check_params_like(params: Any, spec: Any) -> None:
+    """Refuse `params` unless it has the tree structure, shapes and dtypes (and, for jax arrays,
+    shardings) of `spec` (arrays or jax.ShapeDtypeStructs, e.g. the loaded weights): ValueError
+    naming the first leaf that differs."""
+    old_leaves, old_def = jax.tree_util.tree_flatten_with_path(spec)
+    new_leaves, new_def = jax.tree_util.tree_flatten_with_path(params)
+    if old_def != new_def:
+        old_paths = [jax.tree_util.keystr(p) for p, _ in old_leaves]
+        new_paths = [jax.tree_util.keystr(p) for p, _ in new_leaves]
+        first = next((f"{a} vs {b}" for a, b in zip(old_paths, new_paths) if a != b),
+                     f"{len(new_paths)} leaves vs the model's {len(old_paths)}")
+        raise ValueError(f"params: the tree differs from the loaded model's (first difference: params{first})")
+    for (path, old), (_, new) in zip(old_leaves, new_leaves):
+        name = "params" + jax.tree_util.keystr(path)
+        if tuple(new.shape) != tuple(old.shape):
+            raise ValueError(f"{name}: shape {tuple(new.shape)} is not the loaded model's {tuple(old.shape)}")
+        if jnp.dtype(new.dtype) != old.dtype:
+            raise ValueError(f"{name}: dtype {jnp.dtype(new.dtype).name} is not the loaded model's {old.dtype.name}")
+        if isinstance(new, jax.Array) and not new.sharding.is_equivalent_to(old.sharding, old.ndim):
+            raise ValueError(f"{name}: sharding {new.sharding} is not the loaded model's {old.sharding}; place it "
+                             "with jax.device_put(leaf, <the model's leaf>.sharding)")
