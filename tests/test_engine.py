@@ -144,7 +144,6 @@ def test_logprobs_match_hf(llm_ref, hf_tiny):
     assert plain.outputs[0].logprobs is None
 
 
-
 def test_top_logprobs_are_computed_only_in_steps_that_ask_for_them(llm_ref):
     """The top-k over the whole vocabulary is a call of its own: a step in which no row asks for
     top logprobs (logprobs None or 0) returns none ([S, 0]); one in which a row does, max_logprobs
@@ -165,6 +164,7 @@ def test_top_logprobs_are_computed_only_in_steps_that_ask_for_them(llm_ref):
         assert all(len(d) in (2, 3) for d in out[0].outputs[0].logprobs)
     finally:
         del eng.runner.fetch
+
 
 def check_prompt_logprobs(plp, prompt, ref, k):
     """vLLM's prompt_logprobs against HF's log_softmax `ref` over the prompt."""

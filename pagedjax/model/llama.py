@@ -342,9 +342,9 @@ def unstack_layers(params: Mapping[str, Any]) -> dict[str, Any]:
     so every weight is read twice a step (SmolLM2-135M on a 2-core CPU: decode steps 8-10 % faster
     unstacked). `[out, in]` is the layout XLA's CPU matmuls stream fastest from memory when a few
     rows meet a large weight: that model's layers' matmuls alone, 30 layers at 8-32 tokens, run
-    10-20 % faster than over `[in, out]`, and alike at 1 and 64-256 tokens (a 2-core AMD Zen 3). The price is compile
-    time, which then grows with depth (that engine's 35 buckets: 66 s instead of 46 s, once per
-    machine with the persistent compilation cache)."""
+    10-20 % faster than over `[in, out]`, and alike at 1 and 64-256 tokens (a 2-core AMD Zen 3).
+    The price is compile time, which then grows with depth (that engine's 35 buckets: 66 s instead
+    of 46 s, once per machine with the persistent compilation cache)."""
     if layers_unstacked(params):
         return dict(params)
     leaves, treedef = jax.tree.flatten(params["layers"])
