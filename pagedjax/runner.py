@@ -26,7 +26,6 @@ import dataclasses
 import functools
 import logging
 import time
-import weakref
 from typing import Any
 
 import jax
@@ -37,7 +36,8 @@ from pagedjax import parallel
 from pagedjax.attention import init_kv_cache, make_attention, resolve_backend
 from pagedjax.config import EngineConfig
 from pagedjax.logits_processors import apply_logits_processors
-from pagedjax.model.llama import ModelConfig, compute_logits, forward, stack_layers, unstack_layers
+from pagedjax.model.llama import ModelConfig, compute_logits, forward
+from pagedjax.model.step_weights import StepWeights
 from pagedjax.model.weights import check_params_like
 from pagedjax.pallas.common import DeviceLimits, device_limits
 from pagedjax.sampling import greedy, logprob_and_rank, resample, sample_processed
@@ -188,23 +188,6 @@ def make_step(cfg: ModelConfig, *, backend: str, logits_hook=None, mesh=None, li
                              unroll=unroll)
 
 
-_UNSTACKED: dict[tuple[int, ...], tuple[list, Any]] = {}
-
-
-def _unstacked_once(params):
-    """unstack_layers(params), once per set of loaded weights: engines built on one loaded model
-    (a benchmark's systems, a block-size sweep) share one unstacked copy, which lives as long as
-    the loaded weights do."""
-    leaves = jax.tree.leaves(params)
-    key = tuple(map(id, leaves))
-    hit = _UNSTACKED.get(key)
-    if hit is not None and all(ref() is leaf for ref, leaf in zip(hit[0], leaves)):
-        return hit[1]
-    _UNSTACKED[key] = ([weakref.ref(leaf) for leaf in leaves], unstack_layers(params))
-    weakref.finalize(leaves[0], _UNSTACKED.pop, key, None)
-    return _UNSTACKED[key][1]
-
-
 @dataclasses.dataclass
 class Dispatched:
     """A step started on the device: its results (device arrays, not waited for) and real rows."""
@@ -236,11 +219,11 @@ class ModelRunner:
             params = parallel.shard_params(params, self.mesh)
             self.kv_cache = parallel.init_sharded_kv_cache(model_config, self.mesh, num_blocks, config.block_size,
                                                            self.kv_dtype)
-        # the weights as the step reads them: unstacked on the native CPU path (see unstack_layers);
-        # `params` gives them back in the model's layout, checked against what was loaded
-        self.unstacked = tp == 1 and make_attention(self.backend).unstacked_layers
+        # the weights as the step reads them: on the native CPU path unstacked, and the projections
+        # as the native matmul's panels (pagedjax.model.step_weights); `params` gives them back in
+        # the model's layout, checked against what was loaded
+        self.weights = StepWeights(params, unstacked=tp == 1 and make_attention(self.backend).unstacked_layers)
         self.loaded = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), params)
-        self.step_params = _unstacked_once(params) if self.unstacked else params
         # each device holds 1/N of the pool: the same per-device budget holds N times the tokens
         self.kv_bytes_per_device = parallel.kv_bytes_per_device(model_config, num_blocks, config.block_size,
                                                                 self.kv_dtype, tp)
@@ -263,10 +246,15 @@ class ModelRunner:
             self._scatter = functools.partial(_scatter_fn, mesh=self.mesh)
 
     @property
+    def step_params(self) -> Any:
+        """The weights as the step reads them (pagedjax.model.step_weights)."""
+        return self.weights.arrays
+
+    @property
     def params(self) -> Any:
-        """The weights in the model's layout (pagedjax.model.llama); a stacked copy where the step
-        reads them unstacked (the native CPU path)."""
-        return stack_layers(self.step_params) if self.unstacked else self.step_params
+        """The weights in the model's layout (pagedjax.model.llama); a copy where the step holds
+        them otherwise (the native CPU path)."""
+        return self.weights.params
 
     def set_params(self, params: Any, copy: bool = True) -> float:
         """Replace the weights by `params` of the same tree structure, shapes and dtypes (and, for
@@ -275,13 +263,13 @@ class ModelRunner:
         the engine keeps a copy (one device copy of the params), so the caller may donate or
         overwrite its own arrays afterwards; copy=False: it holds the caller's device arrays as
         they are (no copy; they must then stay alive and unchanged), except where the step reads
-        them unstacked (the native CPU path), which copies them. Host arrays are placed with the
+        them otherwise (the native CPU path), which copies them. Host arrays are placed with the
         loaded model's shardings either way. Returns seconds spent."""
         t0 = time.perf_counter()
         check_params_like(params, self.loaded)
         params = jax.tree.map(lambda new, old: jax.device_put(new, old.sharding, may_alias=False if copy else None),
                               params, self.loaded)
-        self.step_params = unstack_layers(params) if self.unstacked else params
+        self.weights.replace(params)
         jax.block_until_ready(self.step_params)
         return time.perf_counter() - t0
 

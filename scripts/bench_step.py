@@ -68,9 +68,7 @@ def matmul_only_step(params, cfg, B: int):
                 x, _ = layer(x, lp)
         else:
             x, _ = jax.lax.scan(layer, x, params["layers"])
-        h = rms_norm(x, params["norm"], cfg.rms_norm_eps)
-        w = params["embed_tokens"].T if cfg.tie_word_embeddings else params["lm_head"]
-        return jnp.max(h @ w, axis=-1)
+        return jnp.max(compute_logits(params, cfg, x), axis=-1)
 
     ids = jnp.zeros(B, jnp.int32)
     jax.block_until_ready(f(params, ids))

@@ -44,6 +44,17 @@ def decode(mgr, req, token):
     return new
 
 
+def require_native_matmul():
+    """For tests of the native matmul: skip where it is not built for this CPU (it is written for
+    AVX-512; elsewhere the projections are XLA's, which the other tests cover)."""
+    from pagedjax import native
+
+    if native.compiler() is None or "avx512f" not in native.cpu_flags():
+        pytest.skip("the native matmul needs a C++ compiler and an AVX-512 CPU")
+    if not native.matmul_available():
+        pytest.fail(f"the native matmul did not build: {native.matmul_unavailable_reason()}")
+
+
 def require_native():
     """For tests of the native CPU kernel: skip on a machine with no C++ compiler; fail, with
     the compiler's message, where there is one and the kernel does not build."""

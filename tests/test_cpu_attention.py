@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import require_native
+from helpers import require_native, require_native_matmul
 from pagedjax import native
 from pagedjax.attention import AttentionMetadata, token_layout, write_kv
 from pagedjax.attention.xla import xla_attention
@@ -251,17 +251,22 @@ def _pool_copies(hlo: str, pool_elems: int) -> list[str]:
     return copies
 
 
-@pytest.mark.parametrize("backend,unstacked", [("native", True), ("native", False), ("reference", False)])
+@pytest.mark.parametrize("backend,layout", [("native", "unstacked"), ("native", "panels"), ("native", ""),
+                                            ("reference", "")])
 @pytest.mark.parametrize("T", [1, 8])
-def test_the_compiled_step_writes_the_pool_in_place(backend, unstacked, T):
+def test_the_compiled_step_writes_the_pool_in_place(backend, layout, T):
     """The donated pool is updated where it lies: the step's K/V written after the layers must
     not make XLA copy the whole pool (every layer's attention reads it first; the native call
     hands it back so the write is ordered after the reads), whether the layers run over the
-    stacked or the unstacked weights, and for a one-token step too (a one-row scatter that XLA
-    turns into a dynamic-update-slice that read the pool, and copied it, before)."""
+    stacked or the unstacked weights (also multiplied by the native matmul: "panels"), and for a
+    one-token step too (a one-row scatter that XLA turns into a dynamic-update-slice that read the
+    pool, and copied it, before)."""
     if backend == "native":
         require_native()
-    from pagedjax.model.llama import ModelConfig, init_random_params, unstack_layers
+    if layout == "panels":
+        require_native_matmul()
+    from pagedjax.model.llama import ModelConfig, init_random_params
+    from pagedjax.model.step_weights import to_step_layout
     from pagedjax.runner import make_step
     from pagedjax.scheduler.batch import StepInput
 
@@ -269,7 +274,7 @@ def test_the_compiled_step_writes_the_pool_in_place(backend, unstacked, T):
                       num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
                       max_position_embeddings=256, tie_word_embeddings=True)
     params = init_random_params(cfg, jax.random.key(0))
-    params = unstack_layers(params) if unstacked else params
+    params = to_step_layout(params, unstacked=True, panels=layout == "panels") if layout else params
     kv = tuple(jnp.zeros((cfg.num_layers, cfg.num_kv_heads, 40, 16, cfg.head_dim), jnp.float32) for _ in range(2))
     step = make_step(cfg, backend=backend)
     hlo = step.func.lower(params, kv, StepInput.padding(T, min(T, 4), 4), **step.keywords).compile().as_text()

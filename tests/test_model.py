@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import require_native
+from helpers import require_native, require_native_matmul
 from pagedjax.attention import AttentionMetadata, init_kv_cache, make_attention
 from pagedjax.model import ModelConfig, compute_logits, forward, load_model
-from pagedjax.model.llama import init_random_params, rope_inv_freq, unstack_layers
+from pagedjax.model.llama import init_random_params, rope_inv_freq
+from pagedjax.model.step_weights import to_step_layout
 
 BLOCK_SIZE = 4
 
@@ -183,17 +184,26 @@ def test_config_from_hf(tiny):
                                       hf.model.layers[i].self_attn.q_proj.weight.detach().numpy().T)
 
 
-@pytest.mark.parametrize("backend", ["jnp", "reference", "native", "native, unstacked", "pallas"])
+def in_layout(params, layout: str):
+    """The model's params as a step holds them: "" as they are, "unstacked" (one array per weight
+    per layer), "panels" (unstacked, projections and head for the native matmul)."""
+    if layout == "panels":
+        require_native_matmul()
+    return to_step_layout(params, unstacked=True, panels=layout == "panels") if layout else params
+
+
+@pytest.mark.parametrize("backend", ["jnp", "reference", "native", "native, unstacked", "native, panels", "pallas"])
 def test_ragged_prefill_and_decode_match_hf(tiny, backend):
     """4 prompts prefilled in one call; then greedy decode with a 5th prompt arriving mid-way,
     prefilled in two chunks alongside the others' decode tokens. Every attention backend: the
     Pallas kernel (interpreted) reads its layer of the stacked pool the loop carries. "unstacked":
-    the layers over one array per weight per layer, run one after another (the engine's CPU path)."""
+    the layers over one array per weight per layer, run one after another (the engine's CPU path);
+    "panels": and multiplied by the native matmul (that path on an AVX-512 CPU)."""
     backend, _, layout = backend.partition(", ")
     if backend == "native":
         require_native()
     name, hf, cfg, params, _ = tiny
-    params = unstack_layers(params) if layout == "unstacked" else params
+    params = in_layout(params, layout)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (5, 1, 12, 7, 9)]
     T, S, max_blocks, num_blocks = 40, 6, 8, 48
@@ -244,7 +254,7 @@ def test_ragged_prefill_and_decode_match_hf(tiny, backend):
     assert gen == seqs[0][: len(gen)]
 
 
-@pytest.mark.parametrize("backend", ["jnp", "reference", "native", "native, unstacked"])
+@pytest.mark.parametrize("backend", ["jnp", "reference", "native", "native, unstacked", "native, panels"])
 def test_padding_rows_write_nothing(backend):
     """slot -1 rows leave the cache untouched; real rows land exactly at their slots, whether each
     layer writes its K/V in the loop ("jnp") or the model writes them all after it ("reference",
@@ -255,8 +265,7 @@ def test_padding_rows_write_nothing(backend):
     if backend == "native":
         require_native()
     cfg = ModelConfig.from_hf(LlamaConfig(**TINY, rope_theta=10000.0, architectures=["LlamaForCausalLM"]))
-    params = init_random_params(cfg, jax.random.key(0))
-    params = unstack_layers(params) if layout == "unstacked" else params
+    params = in_layout(init_random_params(cfg, jax.random.key(0)), layout)
     num_blocks = 6
     kv = init_kv_cache(cfg, num_blocks, BLOCK_SIZE)
     slots = jnp.array([5, -1, 9, -1], jnp.int32)

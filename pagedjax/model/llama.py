@@ -245,11 +245,12 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def linear(x: jax.Array, w: jax.Array, lp: Mapping[str, jax.Array], bias: str, *, out_in: bool = False) -> jax.Array:
-    """x [T, in] times the weight w: `[in, out]` (the model's layout), or `[out, in]` with out_in
-    (the unstacked layout, see `unstack_layers`); plus the layer's bias named `bias`, if any."""
+    """x [T, in] times the weight w: `[in, out]` (the model's layout), `[out, in]` with out_in
+    (the unstacked layout, see `unstack_layers`), or an object that multiplies itself, `x @ w` (a
+    step's own layout: pagedjax.model.step_weights); plus the layer's bias named `bias`, if any."""
     # NOTE: on GPU, JAX's default f32 matmul precision may use TF32; f32 parity checks there need
     # jax.default_matmul_precision("highest").
-    y = jnp.einsum("ti,oi->to", x, w) if out_in else x @ w
+    y = jnp.einsum("ti,oi->to", x, w) if out_in and isinstance(w, jax.Array) else x @ w
     return y + lp[bias] if bias in lp else y
 
 
@@ -395,6 +396,8 @@ def causal_forward(params: Mapping[str, Any], cfg: ModelConfig, token_ids: jax.A
 def compute_logits(params: Mapping[str, Any], cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     """Final RMSNorm and output head: hidden `[S, hidden_size]` (from `forward`) -> float32 `[S, vocab]`."""
     h = rms_norm(hidden, params["norm"], cfg.rms_norm_eps)
+    if "head" in params:   # the head as a step holds it (pagedjax.model.step_weights)
+        return (h @ params["head"]).astype(jnp.float32)
     if cfg.tie_word_embeddings:
         return jnp.einsum("sh,vh->sv", h, params["embed_tokens"], preferred_element_type=jnp.float32)
     return jnp.einsum("sh,hv->sv", h, params["lm_head"], preferred_element_type=jnp.float32)

@@ -1,14 +1,18 @@
 """Native CPU kernels, built on first use and called from jitted code through `jax.ffi`.
 
-One kernel so far: `attention`, the CPU step's attention (pagedjax/native/attention.cc): each
-token over its row's cached context, read page by page from the pool, and over the step's own
-K/V of its row. It computes what `pagedjax.attention.xla.xla_attention` computes with XLA ops
-(`context_attention` + `split_attention`), and replaces it in the "native" attention backend
-("auto" on a CPU picks that backend when the kernel builds).
+Two kernels:
+- `attention`, the CPU step's attention (pagedjax/native/attention.cc): each token over its row's
+  cached context, read page by page from the pool, and over the step's own K/V of its row. It
+  computes what `pagedjax.attention.xla.xla_attention` computes with XLA ops (`context_attention`
+  + `split_attention`), and replaces it in the "native" attention backend ("auto" on a CPU picks
+  that backend when the kernel builds).
+- `matmul` (pagedjax/native/matmul.cc, AVX-512 CPUs): x times a weight held as `Panels`, on
+  every core at the memory's rate; the native path's projections and output head
+  (pagedjax.model.step_weights). `PAGEDJAX_NATIVE_MATMUL=0` leaves them to XLA.
 
 The source is compiled once per machine with the C++ compiler found as `$CXX`, else `g++`, else
 `c++`, against the XLA FFI headers jaxlib ships (`jax.ffi.include_dir()`), with `-march=native`:
-the library is tied to this CPU and this jaxlib, so it lives in the cache directory
+each library is tied to this CPU and this jaxlib, so it lives in the cache directory
 (`$PAGEDJAX_CACHE`, else ~/.cache/pagedjax) under a name hashed from the source, the flags, the
 jaxlib version, the compiler and the CPU's feature flags, never in the repository. If no compiler is found or the build
 fails, `available()` says why and "auto" falls back to the XLA ops.
@@ -145,12 +149,93 @@ def bf16_pair_products() -> bool:
     softmax weights then enter those products rounded to bfloat16 and every sum is float32, as
     flash attention does on an accelerator. Without those instructions pages are widened to
     float32 and the queries and weights stay float32."""
-    flags = set(_cpu_features().split())
-    return {"avx512f", "avx512_bf16"} <= flags
+    return {"avx512f", "avx512_bf16"} <= cpu_flags()
 
 
 def unavailable_reason() -> str | None:
     return _register()
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags as Linux names them (/proc/cpuinfo: "avx512f", "amx_bf16", ...);
+    empty where that file is not there."""
+    line = _cpu_features()
+    return set(line.partition(":")[2].split()) if ":" in line else set()
+
+
+# -- matmul ---------------------------------------------------------------------------------------
+
+MATMUL_SOURCE = Path(__file__).with_name("matmul.cc")
+MATMUL_TARGET = "pagedjax_cpu_matmul"
+PANEL = 32   # outputs per panel (see matmul.cc)
+
+
+@lru_cache(maxsize=None)
+def _register_matmul() -> str | None:
+    if os.environ.get("PAGEDJAX_NATIVE_MATMUL", "1") == "0":
+        return "turned off by PAGEDJAX_NATIVE_MATMUL=0"
+    if "avx512f" not in cpu_flags():
+        return "the native matmul is written for AVX-512, which this CPU does not have"
+    try:
+        # without -ffast-math: every output is summed in the order the source gives
+        lib = ctypes.cdll.LoadLibrary(str(build(source=MATMUL_SOURCE, extra_flags=("-fno-fast-math",))))
+        jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(lib.PagedjaxCpuMatmul), platform="cpu")
+    except (NativeUnavailable, OSError, AttributeError) as e:
+        return str(e)
+    return None
+
+
+def matmul_available() -> bool:
+    """Whether `matmul` runs here: a CPU with AVX-512, the library built, and not turned off
+    (`PAGEDJAX_NATIVE_MATMUL=0`, read once per process)."""
+    return _register_matmul() is None
+
+
+def matmul_unavailable_reason() -> str | None:
+    return _register_matmul()
+
+
+def matmul(x, panels):
+    """x f32 [T, K] times a weight held as panels f32 [N / 32, K, 32] (`Panels`): f32 [T, N], each
+    output summed over k in order, independently of the other rows (pagedjax/native/matmul.cc)."""
+    reason = _register_matmul()
+    if reason is not None:
+        raise NativeUnavailable(reason)
+    out = jax.ShapeDtypeStruct((x.shape[0], panels.shape[0] * PANEL), jnp.float32)
+    return jax.ffi.ffi_call(MATMUL_TARGET, out)(jnp.asarray(x, jnp.float32), panels)
+
+
+@jax.tree_util.register_pytree_node_class
+class Panels:
+    """A float32 weight of `n` outputs held for the native matmul: `panels` f32 [ceil(n / 32), in,
+    32], each 32 outputs' weights for every input contiguous (the zero outputs past `n` dropped
+    from the product). `x @ Panels` is x times the weight; `to_out_in` gives it back."""
+
+    def __init__(self, panels, n: int):
+        self.panels, self.n = panels, n
+
+    @classmethod
+    def from_out_in(cls, w) -> Panels:
+        """From a weight `[out, in]` (the unstacked layers' layout, see pagedjax.model.llama)."""
+        n, k = w.shape
+        pad = -n % PANEL
+        w = jnp.pad(jnp.asarray(w, jnp.float32), ((0, pad), (0, 0)))
+        return cls(w.reshape(-1, PANEL, k).transpose(0, 2, 1), n)
+
+    def to_out_in(self):
+        p, k, _ = self.panels.shape
+        return self.panels.transpose(0, 2, 1).reshape(p * PANEL, k)[:self.n]
+
+    def __rmatmul__(self, x):
+        y = matmul(x, self.panels)
+        return y if y.shape[1] == self.n else y[:, :self.n]
+
+    def tree_flatten(self):
+        return (self.panels,), self.n
+
+    @classmethod
+    def tree_unflatten(cls, n, children):
+        return cls(children[0], n)
 
 
 def attention(qg, k_new, v_new, k_cache, v_cache, layer, tables, layout, target: str = TARGET,
