@@ -3,7 +3,9 @@
 Products against float64 at shapes that reach every block size of x (1 to 12 rows, and row
 counts that split into uneven blocks), depths on and off its 64-input runs, and output counts
 that are not a multiple of a panel (zero-padded, then dropped); each row's result bitwise the
-same whatever rows share the call; the panels' round trip; and the engine's weights in that
+same whatever rows share the call; the panels' round trip; the packed forms (4-bit, 8-bit and
+bfloat16 records of weights exactly of those forms) giving the float32 panels' result bit for
+bit, and a weight one value off its form staying float32; and the engine's weights in that
 layout: held where the kernel runs, given back in the model's layout, replaced without a
 compilation."""
 
@@ -105,6 +107,84 @@ def test_the_engine_holds_panels_gives_the_model_back_and_updates_without_compil
     eng.update_weights(jax.tree.map(lambda w: w * 1.0, params))
     after = [o.outputs[0].token_ids for o in llm.generate(["a b c", "d e"], sp, use_tqdm=False)]
     assert after == before and eng.num_compilations == n
+
+
+def exactly_of_form(kind, n, k, rng):
+    """A float32 [n, k] weight whose every value is exactly of a packed form: "q4", a half-precision
+    scale and minimum per 32 inputs of an output and 4-bit integers (GGUF Q4_1's dequantized
+    values); "q8", a scale times integers in -127..127 (Q8_0); "bf16"."""
+    if kind == "bf16":
+        return np.asarray(jnp.asarray(rng.standard_normal((n, k)), jnp.bfloat16), np.float32)
+    half = lambda a: a.astype(np.float16).astype(np.float32)  # noqa: E731
+    scale = half(rng.uniform(1e-3, 2e-2, (n, k // 32, 1)))
+    if kind == "q4":
+        q = rng.integers(0, 16, (n, k // 32, 32)).astype(np.float32)
+        q[..., 0], q[..., 1] = 0, 15                         # as a quantizer leaves them: min 0, max 15
+        w = scale * q + half(rng.uniform(-0.2, 0.0, (n, k // 32, 1)))
+    else:
+        q = rng.integers(-127, 128, (n, k // 32, 32)).astype(np.float32)
+        q[..., 0] = 127
+        w = scale * q
+    return w.astype(np.float32).reshape(n, k)
+
+
+def bits(a):
+    return np.asarray(a, np.float32).view(np.uint32)
+
+
+@pytest.mark.parametrize("kind,record", [("q4", 768), ("q8", 1152), ("bf16", 2048)])
+@pytest.mark.parametrize("T,K,N", [(1, 32, 32), (13, 96, 70), (40, 576, 192)])
+def test_packed_forms_give_the_float32_panels_result_bit_for_bit(kind, record, T, K, N):
+    rng = np.random.default_rng(T + K + N)
+    w = exactly_of_form(kind, N, K, rng)
+    packed, plain = native.Panels.from_out_in(w, pack=True), native.Panels.from_out_in(w, pack=False)
+    assert packed.kind == kind and plain.kind == "f32"
+    assert packed.panels.shape == (-(-N // 32), K // 32, record) and packed.panels.dtype == np.uint8
+    assert packed.nbytes == plain.nbytes * record // 4096
+    np.testing.assert_array_equal(bits(packed.to_out_in()), bits(w))
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    y = np.asarray(product(x, packed))
+    np.testing.assert_array_equal(bits(y), bits(product(x, plain)))
+    ref = x.astype(np.float64) @ w.T.astype(np.float64)
+    assert np.abs(y - ref).max() <= 1e-6 * np.abs(ref).max()
+    # the form travels through jit as static data
+    leaves, treedef = jax.tree.flatten(packed)
+    assert len(leaves) == 1 and jax.tree.unflatten(treedef, leaves).kind == kind
+
+
+def test_a_weight_one_value_off_its_form_stays_float32():
+    rng = np.random.default_rng(3)
+    w = exactly_of_form("q4", 64, 64, rng)
+    w[5, 17] = np.nextafter(w[5, 17], np.float32(1))
+    p = native.Panels.from_out_in(w, pack=True)
+    assert p.kind == "f32"
+    np.testing.assert_array_equal(bits(p.to_out_in()), bits(w))
+    # a negative zero is not the positive zero an 8-bit form would give back
+    w = exactly_of_form("q8", 32, 32, rng)
+    w[3, 4] = -0.0
+    np.testing.assert_array_equal(bits(native.Panels.from_out_in(w, pack=True).to_out_in()), bits(w))
+    # nor is a non-finite value of any form; inputs not a multiple of 32 are never packed
+    w = exactly_of_form("bf16", 32, 64, rng)
+    w[0, 0] = np.nan
+    assert native.Panels.from_out_in(w, pack=True).kind == "bf16"    # NaN is a bfloat16 too
+    w[0, 0] = 1 + 2.0 ** -20                                         # a float32 with more bits is not
+    assert native.Panels.from_out_in(w, pack=True).kind == "f32"
+    assert native.Panels.from_out_in(exactly_of_form("bf16", 32, 48, rng), pack=True).kind == "f32"
+
+
+def test_packed_panels_of_the_wrong_size_are_refused():
+    x = jnp.ones((2, 64), jnp.float32)
+    bad = jnp.zeros((1, 2, 700), jnp.uint8)
+    with pytest.raises(Exception, match="packed panels"):
+        jax.block_until_ready(native.matmul(x, bad, "q4"))
+
+
+def test_f32_panels_kept_by_the_environment():
+    code = ("import numpy as np; from pagedjax import native; "
+            "w = np.zeros((32, 32), np.float32); print(native.packing_enabled(), native.Panels.from_out_in(w).kind)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PAGEDJAX_NATIVE_MATMUL": "f32"}).stdout
+    assert out.split() == ["False", "f32"]
 
 
 def test_turned_off_by_the_environment():

@@ -24,12 +24,17 @@ def test_smollm2_chat_greedy_matches_hf_generate():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pagedjax import LLM, SamplingParams
+    from pagedjax import LLM, SamplingParams, native
     from pagedjax.model.hub import default_model_path
 
     gguf = default_model_path()  # downloads once into ~/.cache/pagedjax
     # 8 seats, a 128-token step budget (the ~300 prompt tokens are prefilled in chunks beside decodes)
     llm = LLM("smollm2-135m", max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256)
+    if native.matmul_available() and native.packing_enabled():
+        # the GGUF's Q4_1 projections and Q8_0 embedding are multiplied from their packed forms
+        held = llm.llm_engine.runner.step_params
+        assert {w.kind for lp in held["layers"] for w in lp.values() if isinstance(w, native.Panels)} == {"q4"}
+        assert held["head"].kind == "q8"
     convs = [[{"role": "user", "content": q}] for q in QUESTIONS]
     outs = llm.chat(convs, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
 

@@ -8,7 +8,10 @@ the native CPU path a step holds them otherwise:
   projection and the output head as `pagedjax.native.Panels`, multiplied by that kernel: a few
   rows times a large weight run at the memory's rate on every core, and each row's result does
   not depend on the rows beside it. The head is then a second copy of a tied embedding, under
-  "head" (the embedding itself stays for the token lookup).
+  "head" (the embedding itself stays for the token lookup). A weight whose values are exactly
+  those of a 4-bit, 8-bit or bfloat16 block form is packed in it (a GGUF checkpoint's Q4_1
+  projections and Q8_0 embedding, dequantized on loading: SmolLM2-135M's panels take 112 MB
+  instead of 538 MB), and multiplies to the same float32 result from fewer bytes.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +171,11 @@ MATMUL_TARGET = "pagedjax_cpu_matmul"
 PANEL = 32   # outputs per panel (see matmul.cc)
 
 
+# the packed forms of a panel (matmul.cc's Kind): the FFI attribute and bytes per record of 32
+# inputs x 32 outputs
+PACKED = {"q4": (4, 768), "q8": (8, 1152), "bf16": (16, 2048)}
+
+
 @lru_cache(maxsize=None)
 def _register_matmul() -> str | None:
     if os.environ.get("PAGEDJAX_NATIVE_MATMUL", "1") == "0":
@@ -180,6 +186,8 @@ def _register_matmul() -> str | None:
         # without -ffast-math: every output is summed in the order the source gives
         lib = ctypes.cdll.LoadLibrary(str(build(source=MATMUL_SOURCE, extra_flags=("-fno-fast-math",))))
         jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(lib.PagedjaxCpuMatmul), platform="cpu")
+        jax.ffi.register_ffi_target(MATMUL_TARGET + "_packed", jax.ffi.pycapsule(lib.PagedjaxCpuMatmulPacked),
+                                    platform="cpu")
     except (NativeUnavailable, OSError, AttributeError) as e:
         return str(e)
     return None
@@ -195,47 +203,180 @@ def matmul_unavailable_reason() -> str | None:
     return _register_matmul()
 
 
-def matmul(x, panels):
-    """x f32 [T, K] times a weight held as panels f32 [N / 32, K, 32] (`Panels`): f32 [T, N], each
+def packing_enabled() -> bool:
+    """Whether `Panels.from_out_in` packs weights that are exactly 4-bit, 8-bit or bfloat16 blocks
+    (the default; `PAGEDJAX_NATIVE_MATMUL=f32` keeps every panel float32, to compare)."""
+    return os.environ.get("PAGEDJAX_NATIVE_MATMUL", "1") != "f32"
+
+
+def matmul(x, panels, kind: str = "f32"):
+    """x f32 [T, K] times a weight held as panels (`Panels`): f32 [N / 32, K, 32], or one of the
+    packed forms (`kind` "q4", "q8", "bf16": u8 [N / 32, K / 32, record bytes]); f32 [T, N], each
     output summed over k in order, independently of the other rows (pagedjax/native/matmul.cc)."""
     reason = _register_matmul()
     if reason is not None:
         raise NativeUnavailable(reason)
     out = jax.ShapeDtypeStruct((x.shape[0], panels.shape[0] * PANEL), jnp.float32)
-    return jax.ffi.ffi_call(MATMUL_TARGET, out)(jnp.asarray(x, jnp.float32), panels)
+    x = jnp.asarray(x, jnp.float32)
+    if kind == "f32":
+        return jax.ffi.ffi_call(MATMUL_TARGET, out)(x, panels)
+    return jax.ffi.ffi_call(MATMUL_TARGET + "_packed", out)(x, panels, kind=np.int32(PACKED[kind][0]))
 
 
 @jax.tree_util.register_pytree_node_class
 class Panels:
-    """A float32 weight of `n` outputs held for the native matmul: `panels` f32 [ceil(n / 32), in,
-    32], each 32 outputs' weights for every input contiguous (the zero outputs past `n` dropped
-    from the product). `x @ Panels` is x times the weight; `to_out_in` gives it back."""
+    """A float32 weight of `n` outputs held for the native matmul, in ceil(n / 32) panels of 32
+    outputs (the zero outputs past `n` dropped from the product). `kind` "f32": `panels` f32
+    [P, in, 32], each panel's weights for every input contiguous. Packed kinds hold a weight
+    whose every value is exactly one of a smaller form, in records of 32 inputs (`panels` u8
+    [P, in / 32, bytes], layouts in matmul.cc): "q4", per 32 inputs of an output a scale and a
+    minimum times 4-bit integers (a GGUF Q4_1 tensor, dequantized); "q8", a scale times 8-bit
+    integers (Q8_0); "bf16". The product is the float32 panel's, bit for bit, from fewer bytes.
+    `x @ Panels` is x times the weight; `to_out_in` gives it back."""
 
-    def __init__(self, panels, n: int):
-        self.panels, self.n = panels, n
+    def __init__(self, panels, n: int, kind: str = "f32"):
+        self.panels, self.n, self.kind = panels, n, kind
 
     @classmethod
-    def from_out_in(cls, w) -> Panels:
-        """From a weight `[out, in]` (the unstacked layers' layout, see pagedjax.model.llama)."""
+    def from_out_in(cls, w, pack: bool | None = None) -> Panels:
+        """From a weight `[out, in]` (the unstacked layers' layout, see pagedjax.model.llama),
+        packed in the smallest form that holds every value exactly when `pack` (default
+        `packing_enabled()`); float32 otherwise."""
         n, k = w.shape
-        pad = -n % PANEL
-        w = jnp.pad(jnp.asarray(w, jnp.float32), ((0, pad), (0, 0)))
-        return cls(w.reshape(-1, PANEL, k).transpose(0, 2, 1), n)
+        w = np.pad(np.asarray(w, np.float32), ((0, -n % PANEL), (0, 0)))
+        if pack if pack is not None else packing_enabled():
+            for kind, packer in _PACKERS.items():
+                # the first panel says at once whether a form can hold the rest (a weight
+                # updated by training has left every form)
+                if packer(w[:PANEL]) is not None and (packed := packer(w)) is not None:
+                    return cls(jnp.asarray(packed), n, kind)
+        return cls(jnp.asarray(w.reshape(-1, PANEL, k).transpose(0, 2, 1)), n)
 
     def to_out_in(self):
-        p, k, _ = self.panels.shape
-        return self.panels.transpose(0, 2, 1).reshape(p * PANEL, k)[:self.n]
+        panels = np.asarray(self.panels)
+        w = _UNPACKERS[self.kind](panels) if self.kind != "f32" else panels.transpose(0, 2, 1)
+        return jnp.asarray(w.reshape(-1, w.shape[-1])[:self.n])
+
+    @property
+    def nbytes(self) -> int:
+        return self.panels.nbytes
 
     def __rmatmul__(self, x):
-        y = matmul(x, self.panels)
+        y = matmul(x, self.panels, self.kind)
         return y if y.shape[1] == self.n else y[:, :self.n]
 
     def tree_flatten(self):
-        return (self.panels,), self.n
+        return (self.panels,), (self.n, self.kind)
 
     @classmethod
-    def tree_unflatten(cls, n, children):
-        return cls(children[0], n)
+    def tree_unflatten(cls, aux, children):
+        return cls(children[0], *aux)
+
+
+# -- packing: numpy on the host, once per loaded weight; w is f32 [N, K] with N a multiple of 32.
+# Each form is tried over every block of 32 inputs of an output and kept only if it gives back
+# every value exactly (NaNs and infinities never do); the layouts are matmul.cc's records.
+
+def _records(a: np.ndarray) -> np.ndarray:
+    """[N, K / 32, 32 (k), ...] -> [P, K / 32, 32 (k), 32 (n), ...]: the panels' records."""
+    n, kb = a.shape[:2]
+    return np.moveaxis(a.reshape(n // PANEL, PANEL, *a.shape[1:]), 1, 3)
+
+
+def _per_output(a: np.ndarray) -> np.ndarray:
+    """Per (output, record) f32 [N, K / 32] -> each record's 32 values, as bytes [P, K / 32, 128]."""
+    n, kb = a.shape
+    return np.ascontiguousarray(a.reshape(n // PANEL, PANEL, kb).transpose(0, 2, 1)).view(np.uint8)
+
+
+def _scaled(blocks: np.ndarray, base: np.ndarray, spread: np.ndarray, top: int):
+    """Integers q in [lo, top] with scale * q + base == blocks exactly, for a half-precision scale
+    near spread / top (the nearest, else one step either side); (scale, q) or None."""
+    lo = 0 if top == 15 else -128
+    scale = (spread / top).astype(np.float16)
+    found = np.zeros(blocks.shape[:2], bool)
+    best_scale, best_q = np.zeros(blocks.shape[:2], np.float32), np.zeros(blocks.shape, np.float32)
+    with np.errstate(all="ignore"):
+        for step in (0, 1, -1):
+            s = (scale if step == 0 else np.nextafter(scale, np.float16(np.inf if step > 0 else -np.inf))).astype(np.float32)
+            q = np.rint((blocks - base[..., None]) / np.where(s > 0, s, 1)[..., None]).astype(np.float32)
+            again = (s[..., None] * q + base[..., None]).view(np.uint32)    # bits: -0.0 is not 0.0
+            exact = ((q >= lo) & (q <= top) & (again == blocks.view(np.uint32))).all(-1) & ~found
+            best_scale[exact], best_q[exact] = s[exact], q[exact]
+            found |= exact
+            if found.all():
+                return best_scale, best_q
+            if step == 0 and found.mean() < 0.99:   # the other two only mend a scale rounded at a tie
+                return None
+    return None
+
+
+def _pack_q4(w: np.ndarray) -> np.ndarray | None:
+    n, k = w.shape
+    if k % 32:
+        return None
+    blocks = w.reshape(n, k // 32, 32)
+    low = blocks.min(-1)
+    found = _scaled(blocks, low, blocks.max(-1) - low, 15)
+    if found is None:
+        return None
+    scale, q = found
+    q = _records(q.astype(np.uint8))                        # [P, KB, 32 k, 32 n]
+    nibbles = q[..., :16] | (q[..., 16:] << 4)              # byte j: outputs j and j + 16
+    return np.concatenate([_per_output(scale), _per_output(low), nibbles.reshape(*q.shape[:2], 512)], -1)
+
+
+def _pack_q8(w: np.ndarray) -> np.ndarray | None:
+    n, k = w.shape
+    if k % 32:
+        return None
+    blocks = w.reshape(n, k // 32, 32)
+    found = _scaled(blocks, np.zeros(blocks.shape[:2], np.float32), np.abs(blocks).max(-1), 127)
+    if found is None:
+        return None
+    scale, q = found
+    q = _records(q.astype(np.int8)).view(np.uint8)
+    return np.concatenate([_per_output(scale), q.reshape(*q.shape[:2], 1024)], -1)
+
+
+def _pack_bf16(w: np.ndarray) -> np.ndarray | None:
+    n, k = w.shape
+    bits = w.view(np.uint32)
+    if k % 32 or (bits & 0xFFFF).any():
+        return None
+    high = _records((bits >> 16).astype(np.uint16).reshape(n, k // 32, 32))
+    return np.ascontiguousarray(high).view(np.uint8).reshape(*high.shape[:2], 2048)
+
+
+def _from_records(a: np.ndarray) -> np.ndarray:
+    """[P, K / 32, 32 (k), 32 (n)] -> [P * 32, K]: the inverse of `_records`."""
+    p, kb = a.shape[:2]
+    return a.transpose(0, 3, 1, 2).reshape(p * PANEL, kb * 32)
+
+
+def _scales(packed: np.ndarray, at: int) -> np.ndarray:
+    """The per-output f32 values stored at byte `at` of every record, as [P, K / 32, 1, 32]."""
+    return np.ascontiguousarray(packed[..., at:at + 128]).view(np.float32)[:, :, None, :]
+
+
+def _unpack_q4(packed: np.ndarray) -> np.ndarray:
+    nibbles = packed[..., 256:].reshape(*packed.shape[:2], 32, 16)
+    q = np.concatenate([nibbles & 0xF, nibbles >> 4], -1).astype(np.float32)
+    return _from_records(_scales(packed, 0) * q + _scales(packed, 128))
+
+
+def _unpack_q8(packed: np.ndarray) -> np.ndarray:
+    q = np.ascontiguousarray(packed[..., 128:]).view(np.int8).reshape(*packed.shape[:2], 32, 32)
+    return _from_records(_scales(packed, 0) * q.astype(np.float32))
+
+
+def _unpack_bf16(packed: np.ndarray) -> np.ndarray:
+    high = np.ascontiguousarray(packed).view(np.uint16).reshape(*packed.shape[:2], 32, 32)
+    return _from_records((high.astype(np.uint32) << 16).view(np.float32))
+
+
+_PACKERS = {"q4": _pack_q4, "q8": _pack_q8, "bf16": _pack_bf16}
+_UNPACKERS = {"q4": _unpack_q4, "q8": _unpack_q8, "bf16": _unpack_bf16}
 
 
 def attention(qg, k_new, v_new, k_cache, v_cache, layer, tables, layout, target: str = TARGET,
