@@ -310,9 +310,13 @@ def forward(params: Mapping[str, Any], cfg: ModelConfig, token_ids: jax.Array, p
         return attn_out_and_mlp(cfg, lp, x, o.astype(dtype), out_in=out_in), cache, (k, v)
 
     if out_in:
+        # one trace of the layer for all of them (its index an argument): the step's program then
+        # holds one layer function, called once per layer, which XLA inlines; tracing and lowering
+        # every layer's copy was most of what a start with the compilation cache warm still paid
+        run_layer = jax.jit(layer)
         kvs = []
         for index, lp in enumerate(params["layers"]):
-            x, kv_cache, kv = layer(x, kv_cache, (lp, jnp.int32(index)))
+            x, kv_cache, kv = run_layer(x, kv_cache, (lp, jnp.int32(index)))
             kvs.append(kv)
         new_k, new_v = (jnp.stack(t) for t in zip(*kvs))
     else:
