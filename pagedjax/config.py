@@ -74,6 +74,9 @@ class EngineConfig:
             self.token_buckets = pow2_buckets(min(8, self.max_num_batched_tokens), self.max_num_batched_tokens)
         if self.seq_buckets is None:
             self.seq_buckets = pow2_buckets(1, self.max_num_seqs)
+        # whether the widths are this default, which an engine may narrow to what its attention
+        # needs (the native CPU kernel: one width, see LLMEngine)
+        self.default_page_buckets = self.page_buckets is None
         if self.page_buckets is None:
             self.page_buckets = pow2_buckets(min(4, self.max_blocks_per_seq), self.max_blocks_per_seq)
         need(max(self.token_buckets) >= self.max_num_batched_tokens, "token_buckets",

@@ -74,6 +74,10 @@ class LLMEngine:
                              f"({mc.sliding_window}); attention here is full, so keep sequences inside the window")
         check_tensor_parallel(config.tensor_parallel_size, mc)  # before sizing the pool per device
         self.backend = resolve_backend(config.attention_backend, config.tensor_parallel_size)
+        if self.backend == "native" and config.default_page_buckets:
+            # the native kernel reads each row's pages up to its context whatever the tables' width,
+            # so one width costs nothing and leaves one program per token bucket to compile
+            config.page_buckets = (config.max_blocks_per_seq,)
         if self.backend == "pallas":
             # refused here, naming the limit, rather than by the compiler in the first step
             check_supported(head_dim=mc.head_dim, num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads,
