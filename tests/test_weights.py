@@ -204,6 +204,52 @@ def test_gguf_unpermutes_q_k_and_dequantizes(tmp_path):
     assert tok.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False) == "<s>hello</s>"
 
 
+def test_gguf_config_and_tokenizer_are_converted_once(tmp_path, monkeypatch):
+    """The config and tokenizer transformers converts from a .gguf are saved under the cache and
+    read from there the next time; a damaged copy or a changed file is converted again."""
+    import os
+
+    import transformers
+
+    from pagedjax.model.weights import gguf_config_and_tokenizer
+
+    monkeypatch.setenv("PAGEDJAX_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, make_hf_model("llama-untied"))
+    cfg_a, params_a, tok_a = load_model(path)
+    saved = list((tmp_path / "cache" / "gguf").iterdir())
+    assert len(saved) == 1 and (saved[0] / "config.json").is_file()
+
+    converted = []
+    real = transformers.AutoConfig.from_pretrained
+
+    def counting(*args, **kwargs):
+        if kwargs.get("gguf_file"):
+            converted.append(kwargs["gguf_file"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", counting)
+    cfg_b, params_b, tok_b = load_model(path)
+    assert converted == []    # read from the saved copy
+    assert cfg_b == cfg_a
+    jax.tree.map(np.testing.assert_array_equal, params_a, params_b)
+    for text in ["hello world", "hell or wor", "<s>x</s>"]:
+        assert tok_b(text)["input_ids"] == tok_a(text)["input_ids"]
+    conv = [{"role": "user", "content": "hello"}]
+    assert tok_b.apply_chat_template(conv, tokenize=False) == tok_a.apply_chat_template(conv, tokenize=False)
+    assert (tok_b.bos_token_id, tok_b.eos_token_id) == (tok_a.bos_token_id, tok_a.eos_token_id)
+
+    (saved[0] / "config.json").write_text("{not json")
+    converted.clear()
+    assert gguf_config_and_tokenizer(path)[0].num_hidden_layers == 2 and converted == ["tiny.gguf"]
+    assert gguf_config_and_tokenizer(path)[0].num_hidden_layers == 2 and converted == ["tiny.gguf"]   # mended
+    converted.clear()
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))    # the file changed
+    gguf_config_and_tokenizer(path)
+    assert converted == ["tiny.gguf"] and len(list((tmp_path / "cache" / "gguf").iterdir())) == 2
+
+
 def test_gguf_shape_disagreeing_with_config(tmp_path):
     # metadata claims 4 kv heads (attn_k of 4 * 16 = 64 rows) while the tensors hold 2
     write_tiny_gguf(tmp_path / "bad.gguf", make_hf_model("llama-untied"), head_count_kv=4)

@@ -341,5 +341,7 @@ def load_tokenizer(source: str, *, revision: str | None = None, download_dir: st
     path = Path(resolve_model(source, revision=revision, download_dir=download_dir, hf_token=hf_token,
                               weights=False)).expanduser()
     if path.is_file():
-        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        from pagedjax.model.weights import gguf_config_and_tokenizer
+
+        return gguf_config_and_tokenizer(path)[1]
     return AutoTokenizer.from_pretrained(path)

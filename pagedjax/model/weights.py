@@ -4,7 +4,7 @@ Two sources:
 - a Hugging Face directory: config.json, one or more *.safetensors (with or without
   model.safetensors.index.json), tokenizer files read by transformers.AutoTokenizer;
 - a .gguf file: tensors dequantized with `gguf` to float32, config and tokenizer (with its chat
-  template) through transformers' GGUF support.
+  template) through transformers' GGUF support (converted once, then read from the cache).
 
 Both are mapped onto HF tensor names first, so shape checks and error messages speak one language.
 """
@@ -12,8 +12,12 @@ Both are mapped onto HF tensor names first, so shape checks and error messages s
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
+import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -136,15 +140,46 @@ def _load_hf_dir(path: Path, dtype: jnp.dtype):
     return cfg, params, tokenizer
 
 
+def gguf_config_and_tokenizer(path: Path):
+    """transformers' config and tokenizer of a .gguf file. Converting them parses the file's
+    metadata twice (~7 s for SmolLM2-135M's 49,152-token vocabulary and merges), so the result is
+    saved once per file (keyed by its path, size and modification time and the transformers
+    version) under the cache directory, in transformers' own format, and read from there (~0.1 s)."""
+    import transformers
+    from transformers import AutoConfig, AutoTokenizer
+
+    from pagedjax.model.hub import cache_dir
+
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{transformers.__version__}".encode())
+    saved = cache_dir() / "gguf" / f"{path.stem}-{key.hexdigest()[:16]}"
+    if (saved / "config.json").is_file():
+        try:
+            return AutoConfig.from_pretrained(saved), AutoTokenizer.from_pretrained(saved)
+        except (OSError, ValueError) as e:   # damaged: convert again
+            logger.warning("reconverting %s: the saved config and tokenizer in %s did not load (%s)", path, saved, e)
+    hf_cfg = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    try:
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=saved.parent) as tmp:
+            hf_cfg.save_pretrained(Path(tmp) / "d")
+            tokenizer.save_pretrained(Path(tmp) / "d")
+            shutil.rmtree(saved, ignore_errors=True)
+            os.replace(Path(tmp) / "d", saved)   # atomic: a reader sees all of it or none
+    except OSError as e:   # a read-only or full cache: convert again next time
+        logger.warning("could not save the config and tokenizer of %s under %s: %s", path, saved, e)
+    return hf_cfg, tokenizer
+
+
 def _load_gguf(path: Path, dtype: jnp.dtype):
     import gguf
-    from transformers import AutoConfig, AutoTokenizer
 
     reader = gguf.GGUFReader(str(path))
     arch_field = reader.fields.get("general.architecture")
     gguf_arch = arch_field.contents() if arch_field is not None else None
     try:
-        hf_cfg = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        hf_cfg, tokenizer = gguf_config_and_tokenizer(path)
     except ValueError as e:  # transformers refuses architectures it has no GGUF mapping for
         raise ValueError(f"unsupported GGUF model {path} (general.architecture={gguf_arch!r}): {e}") from e
     cfg = ModelConfig.from_hf(hf_cfg)
@@ -172,7 +207,6 @@ def _load_gguf(path: Path, dtype: jnp.dtype):
         return w
 
     params = _assemble(cfg, get, dtype, unpermute_qk)
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     return cfg, params, tokenizer
 
 
