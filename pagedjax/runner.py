@@ -238,7 +238,7 @@ class ModelRunner:
         self.compile_seconds = 0.0
         self.last_hidden = None   # the last step's hidden states, for prompt logprobs
         self._no_feed: dict[int, jax.Array] = {}   # prev_tokens of a step fed by none
-        self._compiled: dict[tuple[int, int, int], Any] = {}   # the step compiled ahead of time, by bucket
+        self._compiled: dict[Any, Any] = {}   # compiled ahead of time: the step by (T, S, P), prompt logprobs by T
         self._step = make_step(model_config, backend=self.backend, logits_hook=logits_hook, mesh=self.mesh)
         self._copy, self._gather, self._scatter = _copy_fn, _gather_fn, _scatter_fn
         if self.mesh is not None:
@@ -259,8 +259,8 @@ class ModelRunner:
     def set_params(self, params: Any, copy: bool = True) -> float:
         """Replace the weights by `params` of the same tree structure, shapes and dtypes (and, for
         jax arrays, shardings) as the loaded ones, refused with ValueError naming the first leaf
-        that differs. The step takes the weights as an argument, so nothing compiles. copy=True:
-        the engine keeps a copy (one device copy of the params), so the caller may donate or
+        that differs. The step takes the weights as an argument, so nothing compiles (but see the
+        comment below on packed weights). copy=True: the engine keeps a copy, so the caller may donate or
         overwrite its own arrays afterwards; copy=False: it holds the caller's device arrays as
         they are (no copy; they must then stay alive and unchanged), except where the step reads
         them otherwise (the native CPU path), which copies them. Host arrays are placed with the
@@ -269,7 +269,13 @@ class ModelRunner:
         check_params_like(params, self.loaded)
         params = jax.tree.map(lambda new, old: jax.device_put(new, old.sharding, may_alias=False if copy else None),
                               params, self.loaded)
+        before = jax.tree.structure(self.step_params)
         self.weights.replace(params)
+        if jax.tree.structure(self.step_params) != before:
+            # held in another form (a packed checkpoint's weights moved off its 4-bit values): the
+            # programs compiled for the old form cannot take them; each bucket compiles once more
+            logger.warning("set_params: the weights left their packed form; the step compiles again")
+            self._compiled.clear()
         jax.block_until_ready(self.step_params)
         return time.perf_counter() - t0
 
@@ -359,7 +365,12 @@ class ModelRunner:
         return jax.device_get(self._prompt_logprobs(self.last_hidden, targets))
 
     def _prompt_logprobs(self, hidden, targets):
-        return prompt_logprobs_step(self.step_params, hidden, targets, cfg=self.cfg, num_logprobs=max(self.num_logprobs, 1))
+        if hidden.shape[0] in self._compiled:   # compiled at warm-up
+            return self._compiled[hidden.shape[0]](self.step_params, hidden, targets)
+        return prompt_logprobs_step(self.step_params, hidden, targets, **self._prompt_keywords())
+
+    def _prompt_keywords(self):
+        return dict(cfg=self.cfg, num_logprobs=max(self.num_logprobs, 1))
 
     # -- block moves -----------------------------------------------------------------------------
     @staticmethod
@@ -413,7 +424,8 @@ class ModelRunner:
                 results, logits, self.kv_cache, hidden = self._step(self.step_params, self.kv_cache, inputs)
             if T not in prompt_rows and max_model_len:  # prompt logprobs: once per token bucket
                 prompt_rows.add(T)
-                jax.block_until_ready(self._prompt_logprobs(hidden, np.zeros(T, np.int32)))
+                self._compiled[T] = prompt_logprobs_step.lower(self.step_params, hidden, np.zeros(T, np.int32),
+                                                               **self._prompt_keywords()).compile()
             if S not in sampled_rows:  # the sampler, the processors, the feed compile once per row bucket
                 sampled_rows.add(S)
                 jax.block_until_ready(_feed_fn(results[0], rows=self.config.seq_buckets[-1]))

@@ -187,6 +187,25 @@ def test_f32_panels_kept_by_the_environment():
     assert out.split() == ["False", "f32"]
 
 
+def test_weights_updated_into_another_form_compile_once_and_give_the_float32_panels_tokens(monkeypatch):
+    from pagedjax import LLM, SamplingParams
+
+    kw = dict(attention_backend="native", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, num_blocks=64)
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompts = ["a b c", "d e"]
+    packed, plain = LLM("tiny-random", **kw), LLM("tiny-random", **kw)
+    as_bf16 = jax.tree.map(lambda w: w.astype(jnp.bfloat16).astype(jnp.float32), packed.llm_engine.params)
+    n = packed.llm_engine.num_compilations
+    packed.llm_engine.update_weights(as_bf16)    # random float32 weights -> every projection bfloat16
+    assert packed.llm_engine.runner.step_params["layers"][0]["q_proj"].kind == "bf16"
+    got = [o.outputs[0].token_ids for o in packed.generate(prompts, sp, use_tqdm=False)]
+    assert packed.llm_engine.num_compilations > n   # the step compiled again for the new form
+    monkeypatch.setenv("PAGEDJAX_NATIVE_MATMUL", "f32")
+    plain.llm_engine.update_weights(as_bf16)
+    assert plain.llm_engine.runner.step_params["layers"][0]["q_proj"].kind == "f32"
+    assert [o.outputs[0].token_ids for o in plain.generate(prompts, sp, use_tqdm=False)] == got
+
+
 def test_turned_off_by_the_environment():
     code = "from pagedjax import native; print(native.matmul_available(), native.matmul_unavailable_reason())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
