@@ -22,7 +22,7 @@ ACCELERATOR := $(shell command -v nvidia-smi 2>/dev/null; ls /dev/accel0 /dev/vf
 RUN_ENV     := $(if $(strip $(ACCELERATOR)),,JAX_PLATFORMS=cpu)
 
 # The main job: SmolLM2-135M on a mixed workload, continuous vs static vs contiguous vs HF
-# (about 9 minutes on 2 CPU cores), then the fragmentation study and the timeline sandbox.
+# (about 6 minutes on 2 CPU cores), then the fragmentation study and the timeline sandbox.
 run: $(STAMP)
 	$(RUN_ENV) $(PY) scripts/bench_serving.py
 	$(RUN_ENV) $(PY) scripts/fragmentation.py
