@@ -275,11 +275,12 @@ class Panels:
 
 # -- packing: numpy on the host, once per loaded weight; w is f32 [N, K] with N a multiple of 32.
 # Each form is tried over every block of 32 inputs of an output and kept only if it gives back
-# every value exactly (NaNs and infinities never do); the layouts are matmul.cc's records.
+# every value's bits exactly (in the 4- and 8-bit forms NaNs and infinities never do; bfloat16
+# holds any float32 whose low 16 bits are zero); the layouts are matmul.cc's records.
 
 def _records(a: np.ndarray) -> np.ndarray:
     """[N, K / 32, 32 (k), ...] -> [P, K / 32, 32 (k), 32 (n), ...]: the panels' records."""
-    n, kb = a.shape[:2]
+    n = a.shape[0]
     return np.moveaxis(a.reshape(n // PANEL, PANEL, *a.shape[1:]), 1, 3)
 
 
