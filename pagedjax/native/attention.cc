@@ -278,12 +278,14 @@ inline void AttendHeadsAvx512(const float* __restrict q, const KV* __restrict k,
 // Scores: a K row's 32-value chunk against the same chunk of bf16 q gives 16 lanes of pair sums,
 // in natural order of d. Values: two rows' chunks interleaved (unpacklo/hi_epi16) pair V[j][d]
 // with V[j+1][d], weighted by (p[j], p[j+1]); the output lanes then run in "pairs" order
-// (Order::kPairs): lane 4l + i of accumulator 2c + h is d = 32c + 8l + 4h + i.
+// (Order::kPairs): lane 4l + i of accumulator 2c + h is d = 32c + 8l + 4h + i. next_k, next_v:
+// as AttendHeadsAvx512's.
 inline __m512bh AsBh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
 
 template <int KC, int GN>
 inline void AttendHeadsBf16(const uint16_t* __restrict qb, const uint16_t* __restrict k,
-                            const uint16_t* __restrict v, int64_t n, State s) {
+                            const uint16_t* __restrict v, int64_t n, State s, const uint16_t* next_k = nullptr,
+                            const uint16_t* next_v = nullptr) {
   constexpr int64_t D = 32 * KC;
   alignas(64) uint32_t pp[GN][8];  // the weights of rows 2i and 2i+1 as one bf16 pair
   __m512 o[GN][2 * KC];
@@ -297,6 +299,14 @@ inline void AttendHeadsBf16(const uint16_t* __restrict qb, const uint16_t* __res
     __m512 sc[GN];
     Scores16<GN>([&](int j, __m512 (&part)[GN]) {
       const uint16_t* kj = kc + j * D;
+      if (next_k != nullptr) {
+        const char* nk = reinterpret_cast<const char*>(next_k + (j0 + j) * D);
+        const char* nv = reinterpret_cast<const char*>(next_v + (j0 + j) * D);
+        for (int64_t b = 0; b < D * 2; b += 64) {
+          __builtin_prefetch(nk + b, 0, 2);
+          __builtin_prefetch(nv + b, 0, 2);
+        }
+      }
       for (int g = 0; g < GN; ++g) part[g] = _mm512_setzero_ps();
       for (int c = 0; c < KC; ++c) {
         const __m512bh kx = AsBh(_mm512_loadu_si512(kj + 32 * c));
@@ -335,10 +345,12 @@ inline void AttendHeadsBf16(const uint16_t* __restrict qb, const uint16_t* __res
 
 // All G query heads of one kv head, as AttendAvx512 takes them.
 template <int KC>
-inline void AttendBf16(const uint16_t* qb, int64_t G, const uint16_t* k, const uint16_t* v, int64_t n, State s) {
+inline void AttendBf16(const uint16_t* qb, int64_t G, const uint16_t* k, const uint16_t* v, int64_t n, State s,
+                       const uint16_t* next_k = nullptr, const uint16_t* next_v = nullptr) {
   constexpr int64_t D = 32 * KC;
   ForHeadGroups<(8 / KC < 4 ? 8 / KC : 4)>(G, [&](auto gn, int64_t g) {
-    AttendHeadsBf16<KC, decltype(gn)::value>(qb + g * D, k, v, n, State{s.mx + g, s.dn + g, s.acc + g * D});
+    AttendHeadsBf16<KC, decltype(gn)::value>(qb + g * D, k, v, n, State{s.mx + g, s.dn + g, s.acc + g * D},
+                                             g == 0 ? next_k : nullptr, next_v);
   });
 }
 #endif
@@ -436,15 +448,16 @@ class Kernel {
     }
     const int64_t n_pages = (ctx + BS - 1) / BS;
     // Pages are scattered over the pool, so the hardware prefetcher cannot guess the next one:
-    // it is asked for (into L2) while this one is worked on. Where the AVX-512 rows path reads
-    // the pages (float32, or bf16 widened), its rows are asked for one at a time as this page's
-    // are scored: asking for all 8 KB of a float32 page at once, before the work, left the core
+    // it is asked for (into L2) while this one is worked on. Where the AVX-512 paths read the
+    // pages (float32, bf16 widened or by pair products), its rows are asked for one at a time as
+    // this page's are scored: asking for a whole page at once, before the work, left the core
     // waiting on that many requests (bench_cpu_attention.py --source, 2-core Sapphire Rapids VM,
-    // batch 32 at 234 / 916 tokens: 19.5 / 60.1 ms spread against 20.1 / 64.1 ms up front, 22.1 /
-    // 79.9 against 23.3 / 85.7 with scattered tables). The bf16 pair products and the generic
-    // path ask for the whole next page up front.
+    // batch 32, spread against up front: float32 at 234 / 916 tokens 19.5 / 60.1 ms against 20.1
+    // / 64.1, bf16 pair products 12.2 / 34.4 against 13.5 / 39.2). The generic path (other head
+    // dims, pages converted to float32 first) asks for the whole next page up front.
     constexpr bool kRowsPath = kD > 0 && kD % 16 == 0 && kInPlace != Order::kPairs;
-    const bool spread = kRowsPath && BS % 16 == 0 && (std::is_same_v<KV, float> || in_place);
+    const bool spread = (kRowsPath && BS % 16 == 0 && (std::is_same_v<KV, float> || in_place)) ||
+                        (kInPlace == Order::kPairs && in_place);
     for (int64_t p = 0; p < n_pages; ++p) {
       const int64_t n = std::min(BS, ctx - p * BS);
       const KV* kn = nullptr;
@@ -473,7 +486,7 @@ class Kernel {
           for (int64_t t = 0; t < n_tok; ++t) {
 #if defined(__AVX512BF16__)
             if constexpr (kInPlace == Order::kPairs) {
-              AttendBf16<kD / 32>(&qb[t * G * D], G, kp_raw, vp_raw, n, state(t));
+              AttendBf16<kD / 32>(&qb[t * G * D], G, kp_raw, vp_raw, n, state(t), t == 0 ? kn : nullptr, vn);
               continue;
             }
 #endif
