@@ -248,6 +248,11 @@ def test_gguf_config_and_tokenizer_are_converted_once(tmp_path, monkeypatch):
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))    # the file changed
     gguf_config_and_tokenizer(path)
     assert converted == ["tiny.gguf"] and len(list((tmp_path / "cache" / "gguf").iterdir())) == 2
+    # a file that is gone loses its saved conversion when another file's is saved
+    other = tmp_path / "other.gguf"
+    os.replace(path, other)
+    gguf_config_and_tokenizer(other)
+    assert [d.name.split("-")[0] for d in (tmp_path / "cache" / "gguf").iterdir()] == ["other"]
 
 
 def test_gguf_shape_disagreeing_with_config(tmp_path):

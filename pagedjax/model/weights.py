@@ -144,7 +144,8 @@ def gguf_config_and_tokenizer(path: Path):
     """transformers' config and tokenizer of a .gguf file. Converting them parses the file's
     metadata twice (~7 s for SmolLM2-135M's 49,152-token vocabulary and merges), so the result is
     saved once per file (keyed by its path, size and modification time and the transformers
-    version) under the cache directory, in transformers' own format, and read from there (~0.1 s)."""
+    version) under the cache directory, in transformers' own format, and read from there (~0.1 s).
+    Saving one removes the saved conversions of files that no longer exist."""
     import transformers
     from transformers import AutoConfig, AutoTokenizer
 
@@ -162,9 +163,14 @@ def gguf_config_and_tokenizer(path: Path):
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     try:
         saved.parent.mkdir(parents=True, exist_ok=True)
+        for old in saved.parent.iterdir():   # conversions of files that are gone (or changed)
+            source = old / "source.txt"
+            if source.is_file() and not Path(source.read_text()).is_file():
+                shutil.rmtree(old, ignore_errors=True)
         with tempfile.TemporaryDirectory(dir=saved.parent) as tmp:
             hf_cfg.save_pretrained(Path(tmp) / "d")
             tokenizer.save_pretrained(Path(tmp) / "d")
+            (Path(tmp) / "d" / "source.txt").write_text(str(path.resolve()))
             shutil.rmtree(saved, ignore_errors=True)
             os.replace(Path(tmp) / "d", saved)   # atomic: a reader sees all of it or none
     except OSError as e:   # a read-only or full cache: convert again next time
