@@ -205,6 +205,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.backend = resolve_backend(config.attention_backend, config.tensor_parallel_size)
         self.num_logprobs = num_logprobs
+        self._prompt_step = functools.partial(prompt_logprobs_step, cfg=model_config, num_logprobs=max(num_logprobs, 1))
         self.kv_dtype = kv_dtype or jax.tree.leaves(params)[0].dtype
         self.tensor_parallel_size = tp = config.tensor_parallel_size
         parallel.check_tensor_parallel(tp, model_config)
@@ -365,12 +366,8 @@ class ModelRunner:
         return jax.device_get(self._prompt_logprobs(self.last_hidden, targets))
 
     def _prompt_logprobs(self, hidden, targets):
-        if hidden.shape[0] in self._compiled:   # compiled at warm-up
-            return self._compiled[hidden.shape[0]](self.step_params, hidden, targets)
-        return prompt_logprobs_step(self.step_params, hidden, targets, **self._prompt_keywords())
-
-    def _prompt_keywords(self):
-        return dict(cfg=self.cfg, num_logprobs=max(self.num_logprobs, 1))
+        step = self._compiled.get(hidden.shape[0], self._prompt_step)   # compiled at warm-up, by T
+        return step(self.step_params, hidden, targets)
 
     # -- block moves -----------------------------------------------------------------------------
     @staticmethod
@@ -424,8 +421,8 @@ class ModelRunner:
                 results, logits, self.kv_cache, hidden = self._step(self.step_params, self.kv_cache, inputs)
             if T not in prompt_rows and max_model_len:  # prompt logprobs: once per token bucket
                 prompt_rows.add(T)
-                self._compiled[T] = prompt_logprobs_step.lower(self.step_params, hidden, np.zeros(T, np.int32),
-                                                               **self._prompt_keywords()).compile()
+                self._compiled[T] = self._prompt_step.func.lower(self.step_params, hidden, np.zeros(T, np.int32),
+                                                                 **self._prompt_step.keywords).compile()
             if S not in sampled_rows:  # the sampler, the processors, the feed compile once per row bucket
                 sampled_rows.add(S)
                 jax.block_until_ready(_feed_fn(results[0], rows=self.config.seq_buckets[-1]))

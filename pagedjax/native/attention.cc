@@ -455,9 +455,13 @@ class Kernel {
     // batch 32, spread against up front: float32 at 234 / 916 tokens 19.5 / 60.1 ms against 20.1
     // / 64.1, bf16 pair products 12.2 / 34.4 against 13.5 / 39.2). The generic path (other head
     // dims, pages converted to float32 first) asks for the whole next page up front.
-    constexpr bool kRowsPath = kD > 0 && kD % 16 == 0 && kInPlace != Order::kPairs;
-    const bool spread = (kRowsPath && BS % 16 == 0 && (std::is_same_v<KV, float> || in_place)) ||
-                        (kInPlace == Order::kPairs && in_place);
+    // the AVX-512 rows path reads float32 pages straight from the pool (16 rows from each chunk)
+    constexpr bool kRowsF32 = std::is_same_v<KV, float> && kD > 0 && kD % 16 == 0;
+#if defined(__AVX512F__)
+    const bool spread = in_place || (kRowsF32 && BS % 16 == 0);
+#else
+    const bool spread = false;
+#endif
     for (int64_t p = 0; p < n_pages; ++p) {
       const int64_t n = std::min(BS, ctx - p * BS);
       const KV* kn = nullptr;
@@ -474,23 +478,18 @@ class Kernel {
       const KV* kp_raw = k_head + static_cast<int64_t>(table[p]) * page_elems;
       const KV* vp_raw = v_head + static_cast<int64_t>(table[p]) * page_elems;
 #if defined(__AVX512F__)
-      if constexpr (kRowsPath && (std::is_same_v<KV, float> || kInPlace != Order::kNatural)) {
-        if (spread) {   // the first token's pass asks for the next page (16 rows read per chunk)
-          for (int64_t t = 0; t < n_tok; ++t)
-            AttendAvx512<kD / 16>(&qv[t * G * D], G, kp_raw, vp_raw, n, state(t), t == 0 ? kn : nullptr, vn);
-          continue;
-        }
-      }
-      if constexpr (kInPlace != Order::kNatural) {
-        if (in_place) {
+      // spread: the first token's pass asks for the next page, a row per row it scores
+      if constexpr (kInPlace != Order::kNatural || kRowsF32) {
+        if (spread) {
           for (int64_t t = 0; t < n_tok; ++t) {
+            const KV* next_k = t == 0 ? kn : nullptr;
 #if defined(__AVX512BF16__)
             if constexpr (kInPlace == Order::kPairs) {
-              AttendBf16<kD / 32>(&qb[t * G * D], G, kp_raw, vp_raw, n, state(t), t == 0 ? kn : nullptr, vn);
+              AttendBf16<kD / 32>(&qb[t * G * D], G, kp_raw, vp_raw, n, state(t), next_k, vn);
               continue;
             }
 #endif
-            AttendAvx512<kD / 16>(&qv[t * G * D], G, kp_raw, vp_raw, n, state(t));
+            AttendAvx512<kD / 16>(&qv[t * G * D], G, kp_raw, vp_raw, n, state(t), next_k, vn);
           }
           continue;
         }
