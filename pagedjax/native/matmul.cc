@@ -74,18 +74,23 @@ constexpr int64_t RecordBytes(int32_t kind) {
 template <int R>
 void Block(const float* x, int64_t K, const float* rows, float* y, int64_t N, int64_t n0, int64_t t0,
            int64_t k0, int64_t k1) {
+  // every loop over r unrolled: the accumulators then live in registers from start to end (left
+  // as loops, GCC kept lo and hi on the stack around the k loop, zeroed by memset for R >= 9)
   __m512 lo[R], hi[R];
+#pragma GCC unroll 12
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
   const float* xr = x + t0 * K;
   for (int64_t k = k0; k < k1; ++k) {
     const __m512 w_lo = _mm512_loadu_ps(rows + (k - k0) * kPanel);
     const __m512 w_hi = _mm512_loadu_ps(rows + (k - k0) * kPanel + 16);
+#pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
       const __m512 xv = _mm512_set1_ps(xr[r * K + k]);
       lo[r] = _mm512_fmadd_ps(xv, w_lo, lo[r]);
       hi[r] = _mm512_fmadd_ps(xv, w_hi, hi[r]);
     }
   }
+#pragma GCC unroll 12
   for (int r = 0; r < R; ++r) {
     float* out = y + (t0 + r) * N + n0;
     if (k0 > 0) {
