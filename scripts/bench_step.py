@@ -91,17 +91,22 @@ class NoContext(Attention):
 
 
 def forward_step(params, cfg, B: int, context: int, block_size: int, pages: int, *, with_context: bool,
-                 shuffled: bool = False, backend: str = "reference"):
+                 shuffled: bool = False, backend: str = "reference", kv_dtype=None):
     """The jitted CPU forward plus the head (logits consumed by a row max) for B decode tokens,
     each at position `context` - 1 of its own row in a random-content pool, cache donated; with
     `with_context=False` the attention over the cached context is skipped (the step's own K/V
     only, as if every row were a fresh prompt), so the difference of the two is what reading the
-    context costs. `backend` is the CPU attention timed ("reference" or "native")."""
+    context costs. `backend` is the CPU attention timed ("reference" or "native"); `kv_dtype` the
+    pool's (default: the model's), held as the backend holds it (a native bf16 pool as its bits)."""
     rng = np.random.default_rng(0)
     n_pages = -(-context // block_size)
     num_blocks = B * n_pages + 1
-    kv = tuple(jnp.asarray(rng.standard_normal(c.shape, np.float32) * 0.1, c.dtype)
-               for c in init_kv_cache(cfg, num_blocks, block_size, params["embed_tokens"].dtype))
+    attention = make_attention(backend)
+    kv_dtype = jnp.dtype(kv_dtype or params["embed_tokens"].dtype)
+    storage = jnp.dtype(attention.pool_dtype(kv_dtype))
+    kv = tuple(jax.lax.bitcast_convert_type(jnp.asarray(rng.standard_normal(c.shape, np.float32) * 0.1, kv_dtype),
+                                            storage)
+               for c in init_kv_cache(cfg, num_blocks, block_size, storage))
     tables = np.zeros((B, pages), np.int32)
     blocks = rng.permutation(B * n_pages) if shuffled else np.arange(B * n_pages)
     tables[:, :n_pages] = 1 + blocks.reshape(B, n_pages)
@@ -111,7 +116,6 @@ def forward_step(params, cfg, B: int, context: int, block_size: int, pages: int,
                              jnp.arange(B + 1, dtype=jnp.int32), jnp.int32(B))
     ids, pos = jnp.zeros(B, jnp.int32), jnp.full(B, last, jnp.int32)
 
-    attention = make_attention(backend)
     attention = attention if with_context else NoContext(attention)
 
     @functools.partial(jax.jit, donate_argnums=(1,))
@@ -254,24 +258,26 @@ def main() -> int:
             eng.step()
         eng.step()
         mm_step = matmul_only_step(eng.runner.step_params, eng.model_config, B)
+        fns = [eng.step, mm_step]
+        if eng.backend in ("reference", "native"):
+            # where the extra time goes: the same forward with and without reading the context,
+            # at the rows' context halfway through the timed steps; blocks scattered over the pool
+            # as a long-running server's are
+            live = [r for r in eng.scheduler.requests.values() if r.status == RequestStatus.RUNNING]
+            at = round(float(np.mean([r.num_computed_tokens for r in live])) + args.steps // 2)
+            pages = max(p for p in eng.config.page_buckets if p)  # any bucket: the work follows the context
+            fns += [forward_step(eng.runner.step_params, eng.model_config, B, at, eng.config.block_size, pages,
+                                 with_context=w, shuffled=True, backend=eng.backend, kv_dtype=eng.runner.kv_dtype)
+                    for w in (True, False)]
         compiles = eng.num_compilations
-        full, mm = timed_in_turn([eng.step, mm_step], args.steps)  # side by side: drift hits both
+        # all in turn, one call of each per round: a noisy machine's drift hits them alike
+        full, mm, *fwds = timed_in_turn(fns, args.steps)
+        fwd, fwd_noctx = fwds or (None, None)
         decode_compilations = eng.num_compilations - compiles
         live = [r for r in eng.scheduler.requests.values() if r.status == RequestStatus.RUNNING]
         if len(live) != B:
             raise RuntimeError(f"batch {B}: only {len(live)} requests still decoding after the timed steps")
         context = float(np.mean([r.num_computed_tokens for r in live]))
-        fwd = fwd_noctx = None
-        if eng.backend in ("reference", "native"):
-            # where the extra time goes: the same forward with and without reading the context
-            pages = max(p for p in eng.config.page_buckets if p)  # any bucket: the work follows the context
-            # blocks scattered over the pool as a long-running server's are; the two timed in turn
-            fwd, fwd_noctx = timed_in_turn(
-                [forward_step(eng.runner.step_params, eng.model_config, B, round(context),
-                              eng.config.block_size, pages, with_context=w, shuffled=True,
-                              backend=eng.backend)
-                 for w in (True, False)],
-                args.steps)
         procs = None
         if args.processors:
             before = eng.num_compilations
@@ -285,7 +291,7 @@ def main() -> int:
             print(f"           device step alone: {hidden[0]:.1f} ms, without the hidden-state output "
                   f"{hidden[1]:.1f} ms ({hidden[0] / hidden[1] - 1:+.1%})")
         eng.abort_request([f"b{B}-{i}" for i in range(B)])
-        row = {"processors_step_ms": procs,"batch": B, "prompt": args.context, "mean_context_after": context, "step_ms": full * 1e3, "matmul_only_ms": mm * 1e3,
+        row = {"processors_step_ms": procs, "batch": B, "prompt": args.context, "mean_context_after": context, "step_ms": full * 1e3, "matmul_only_ms": mm * 1e3,
                "ratio": full / mm, "decode_tok_s": B / full, "new_compilations": decode_compilations,
                "forward_ms": fwd and fwd * 1e3, "forward_no_context_ms": fwd_noctx and fwd_noctx * 1e3}
         rows.append(row)
