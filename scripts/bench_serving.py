@@ -48,7 +48,7 @@ def parse_args(argv=None):
                    help="Poisson arrivals at this many requests/s (default inf: all at once)")
     p.add_argument("--regime", choices=serving.REGIMES, default="padded",
                    help="padded: decode steps padded to the seats (fixed shapes, as on an accelerator); "
-                        "shrinking: token buckets from 8, so a static batch's steps shrink with its live rows")
+                        "shrinking: the engine's default token buckets (powers of two from 8, and 1 on a CPU), so a static batch's steps shrink with its live rows")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="fewer requests, a 128-token shared prefix")
     p.add_argument("--prefix-len", type=int, default=None, help="shared-prefix: system prompt tokens (default 512)")

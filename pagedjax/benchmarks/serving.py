@@ -769,9 +769,12 @@ def run_serving(model: str = "smollm2-135m", *, workloads: Sequence[str] = ("mix
 
     regime: "padded" (decode steps padded to the seats: the token buckets start at max_num_seqs, so
     a step costs the same however many seats are live, the fixed-shape regime of an accelerator)
-    or "shrinking" (token buckets from 8 up in powers of two: a static batch's decode steps get
-    cheaper as its members finish). Every figure names its regime."""
-    from pagedjax.config import pow2_buckets
+    or "shrinking" (the engine's default token buckets, powers of two from 8 and on a CPU also 1:
+    a static batch's decode steps get cheaper as its members finish). Every figure
+    names its regime."""
+    import jax
+
+    from pagedjax.config import default_token_buckets
     from pagedjax.engine import LLMEngine
     from pagedjax.model.hub import load_any_model
 
@@ -794,8 +797,9 @@ def run_serving(model: str = "smollm2-135m", *, workloads: Sequence[str] = ("mix
         raise ValueError(f"regime must be one of {REGIMES}, got {regime!r}")
     overrides = dict(engine_overrides or {})
     if regime == "shrinking" and "token_buckets" not in overrides:
+        # the engine's own default: decode steps shrink with the live rows
         mnbt = overrides.get("max_num_batched_tokens") or max(128, 4 * max_num_seqs)
-        overrides["token_buckets"] = pow2_buckets(8, mnbt)
+        overrides["token_buckets"] = default_token_buckets(mnbt, jax.default_backend())
     ekw = engine_kwargs(max_num_seqs=max_num_seqs, max_model_len=mml, **overrides)
     t0 = time.perf_counter()
     loaded = load_any_model(model, dtype, seed)
