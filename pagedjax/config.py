@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 
-def default_token_buckets(max_num_batched_tokens: int, platform: str) -> tuple[int, ...]:
+def platform_token_buckets(max_num_batched_tokens: int, platform: str) -> tuple[int, ...]:
     """A step's token counts T when none are given: powers of two from 8 up to the token budget,
     and on a CPU also 1. On a CPU a step costs about what its padded token count costs (every
     padding row goes through every matmul), so a lone request (a single user's, or the last of
@@ -84,10 +84,10 @@ class EngineConfig:
         need(self.kv_cache_dtype in ("auto", "bfloat16", "float16", "float32"), "kv_cache_dtype",
              "'auto' (the model's dtype), 'bfloat16', 'float16' or 'float32' (attention accumulates in float32)")
         # whether the token counts are the default, which an engine sets for its platform
-        # (default_token_buckets); until then the accelerators' default
+        # (platform_token_buckets); until then the accelerators' default
         self.default_token_buckets = self.token_buckets is None
         if self.token_buckets is None:
-            self.token_buckets = default_token_buckets(self.max_num_batched_tokens, "tpu")
+            self.token_buckets = platform_token_buckets(self.max_num_batched_tokens, "tpu")
         if self.seq_buckets is None:
             self.seq_buckets = pow2_buckets(1, self.max_num_seqs)
         # whether the widths are this default, which an engine may narrow to what its attention

@@ -25,7 +25,7 @@ import numpy as np
 
 from pagedjax.attention import resolve_backend
 from pagedjax.compile_cache import enable_compilation_cache
-from pagedjax.config import EngineConfig, default_token_buckets
+from pagedjax.config import EngineConfig, platform_token_buckets
 from pagedjax.engine_args import EngineArgs, split_engine_kwargs
 from pagedjax.metrics import StepTiming, step_shape
 from pagedjax.model.hub import LoadedModel, prepare_model
@@ -75,7 +75,7 @@ class LLMEngine:
         check_tensor_parallel(config.tensor_parallel_size, mc)  # before sizing the pool per device
         self.backend = resolve_backend(config.attention_backend, config.tensor_parallel_size)
         if config.default_token_buckets:
-            config.token_buckets = default_token_buckets(config.max_num_batched_tokens, jax.default_backend())
+            config.token_buckets = platform_token_buckets(config.max_num_batched_tokens, jax.default_backend())
         if self.backend == "native" and config.default_page_buckets:
             # the native kernel reads each row's pages up to its context whatever the tables' width,
             # so one width costs nothing and leaves one program per token bucket to compile

@@ -41,14 +41,14 @@ def test_opting_out_compiles_on_first_use(monkeypatch, opt_out):
 def test_default_buckets_follow_the_platform(monkeypatch):
     """Token counts from 8 and on a CPU also 1 (a padding row costs what a real one does there);
     given buckets are kept as given."""
-    from pagedjax.config import EngineConfig, default_token_buckets
+    from pagedjax.config import EngineConfig, platform_token_buckets
     from pagedjax.engine import LLMEngine
 
     monkeypatch.setenv("PAGEDJAX_WARMUP", "0")
-    assert default_token_buckets(128, "cpu") == (1, 8, 16, 32, 64, 128)
-    assert default_token_buckets(4, "cpu") == (1, 4) and default_token_buckets(1, "cpu") == (1,)
-    assert default_token_buckets(128, "gpu") == default_token_buckets(128, "tpu") == (8, 16, 32, 64, 128)
-    assert default_token_buckets(4, "gpu") == (4,)
+    assert platform_token_buckets(128, "cpu") == (1, 8, 16, 32, 64, 128)
+    assert platform_token_buckets(4, "cpu") == (1, 4) and platform_token_buckets(1, "cpu") == (1,)
+    assert platform_token_buckets(128, "gpu") == platform_token_buckets(128, "tpu") == (8, 16, 32, 64, 128)
+    assert platform_token_buckets(4, "gpu") == (4,)
     assert EngineConfig(max_num_batched_tokens=64, max_model_len=64).token_buckets[0] == 8
     kw = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, num_blocks=40, block_size=4)
     eng = LLMEngine("tiny-random", **kw)

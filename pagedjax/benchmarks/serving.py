@@ -774,7 +774,7 @@ def run_serving(model: str = "smollm2-135m", *, workloads: Sequence[str] = ("mix
     names its regime."""
     import jax
 
-    from pagedjax.config import default_token_buckets
+    from pagedjax.config import platform_token_buckets
     from pagedjax.engine import LLMEngine
     from pagedjax.model.hub import load_any_model
 
@@ -799,7 +799,7 @@ def run_serving(model: str = "smollm2-135m", *, workloads: Sequence[str] = ("mix
     if regime == "shrinking" and "token_buckets" not in overrides:
         # the engine's own default: decode steps shrink with the live rows
         mnbt = overrides.get("max_num_batched_tokens") or max(128, 4 * max_num_seqs)
-        overrides["token_buckets"] = default_token_buckets(mnbt, jax.default_backend())
+        overrides["token_buckets"] = platform_token_buckets(mnbt, jax.default_backend())
     ekw = engine_kwargs(max_num_seqs=max_num_seqs, max_model_len=mml, **overrides)
     t0 = time.perf_counter()
     loaded = load_any_model(model, dtype, seed)
