@@ -22,6 +22,9 @@ repetition (so that a noisy machine slows them alike), e.g. the previous commit'
     git show HEAD~1:pagedjax/native/attention.cc > /tmp/prev.cc
     python scripts/bench_cpu_attention.py --source /tmp/prev.cc
 
+--flags adds compiler flags to every kernel's build (`--flags=-mno-avx512f`: the portable
+loops CPUs without AVX-512 run).
+
     python scripts/bench_cpu_attention.py [--batch 32] [--context 916] [--kv-cache-dtype bfloat16]
 """
 
@@ -105,6 +108,8 @@ def main():
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--source", action="append", default=[],
                     help="another version of pagedjax/native/attention.cc to time beside this one (repeatable)")
+    ap.add_argument("--flags", default="", help="compiler flags added to every kernel's build, e.g. "
+                    "--flags=-mno-avx512f for the portable path CPUs without AVX-512 take")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     if not native.available():
@@ -117,7 +122,9 @@ def main():
           f"{kv_bytes / 1e6:.0f} MB of K/V per step")
     read = memory_read_rate(args.reps)
     print(f"  one core reading memory straight through: {read:5.1f} GB/s")
-    kernels = {"this": native.TARGET} | {src: native.register_source(src) for src in args.source}
+    flags = tuple(args.flags.split())
+    kernels = ({"this": native.register_source(native.SOURCE, flags) if flags else native.TARGET}
+               | {src: native.register_source(src, flags) for src in args.source})
     steps = {}
     for name, target in kernels.items():
         for kind in args.tables:  # the same pool contents and tables for every kernel

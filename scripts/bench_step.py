@@ -80,11 +80,14 @@ class NoContext(Attention):
     """A CPU split backend that sees no cached context, as if every row were a fresh prompt."""
 
     inner: Attention
-    writes_kv = False
+
+    @property
+    def writes_kv(self):
+        return self.inner.writes_kv
 
     def plan(self, meta, num_tokens):
-        layout, tables = self.inner.plan(meta, num_tokens)
-        return layout._replace(start=jnp.zeros_like(layout.start)), tables
+        layout, *rest = self.inner.plan(meta, num_tokens)
+        return layout._replace(start=jnp.zeros_like(layout.start)), *rest
 
     def __call__(self, q, k, v, kv_cache, layer, plan):
         return self.inner(q, k, v, kv_cache, layer, plan)

@@ -77,7 +77,16 @@ def cpu_path(attention_fn, groups=G):
     return run
 
 
-IMPLS = {"xla": cpu_path(xla_attention), "native": cpu_path(native.attention)}
+def on_pages(native_fn):
+    """A native attention given a pool laid out as the other backends lay it out (each page
+    position-major): its pages rearranged first as the kernel keeps them (native.to_pages)."""
+    def run(qg, k, v, k_pool, v_pool, *args, **kwargs):
+        return native_fn(qg, k, v, *native.to_pages(k_pool, v_pool), *args, **kwargs)
+
+    return run
+
+
+IMPLS = {"xla": cpu_path(xla_attention), "native": cpu_path(on_pages(native.attention))}
 
 
 @jax.jit
@@ -150,7 +159,7 @@ def test_native_any_number_of_query_heads_per_kv_head(groups, D, dtype):
     P = -(-max(c + n for c, n in rows) // 16) + 1
     pool, q, k, v, attn = make_batch(rng, rows, 16, T, S, P, S * P + 2, D, groups)
     pool = tuple(c.astype(dtype) for c in pool)
-    got, valid = cpu_path(native.attention, groups)(q, k, v, pool, attn)
+    got, valid = cpu_path(on_pages(native.attention), groups)(q, k, v, pool, attn)
     want = reference(q, k, v, pool, attn)
     valid = np.asarray(valid)
     np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], **tolerance("native", dtype))
@@ -172,7 +181,26 @@ def test_native_widened_bf16_path_on_a_cpu_with_pair_products(case, D, groups):
     P = -(-max(c + n for c, n in rows) // 16) + 1
     pool, q, k, v, attn = make_batch(rng, rows, 16, T, len(rows) + 1, P, (len(rows) + 1) * P + 2, D, groups)
     pool = tuple(c.astype(jnp.bfloat16) for c in pool)
-    got, valid = cpu_path(attention, groups)(q, k, v, pool, attn)
+    got, valid = cpu_path(on_pages(attention), groups)(q, k, v, pool, attn)
+    want = reference(q, k, v, pool, attn)
+    valid = np.asarray(valid)
+    np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_native_portable_path_without_avx512(dtype):
+    """CPUs without AVX-512 (AVX2 ones) take the portable loops over the same page layout: the
+    kernel built with -mno-avx512f matches the reference at float32 tolerance, head dim 64, on a
+    ragged step with a prefill chunk and decodes."""
+    require_native()
+    attention = functools.partial(native.attention, target=native.register_source(extra_flags=("-mno-avx512f",)))
+    rows = CASES["mixed step"]
+    rng = np.random.default_rng(11)
+    T = -(-sum(n for _, n in rows) // 8) * 8 + 8
+    P = -(-max(c + n for c, n in rows) // 16) + 1
+    pool, q, k, v, attn = make_batch(rng, rows, 16, T, len(rows) + 1, P, (len(rows) + 1) * P + 2, 64)
+    pool = tuple(c.astype(dtype) for c in pool)
+    got, valid = cpu_path(on_pages(attention))(q, k, v, pool, attn)
     want = reference(q, k, v, pool, attn)
     valid = np.asarray(valid)
     np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], rtol=2e-5, atol=2e-5)
@@ -200,6 +228,54 @@ def test_native_rejects_a_block_outside_the_pool():
     attn = dataclasses.replace(attn, block_tables=attn.block_tables.at[0, 1].set(99))
     with pytest.raises(Exception, match=r"block 99 outside the pool \[0, 6\)"):
         jax.block_until_ready(IMPLS["native"](q, k, v, pool, attn))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 5, 16, 32])
+def test_native_writes_the_steps_kv_into_its_page_layout(block_size, dtype):
+    """With slot_mapping the call also writes the step's K/V into its layer of the pool, after
+    every read: the output is the same as without, and the pool is, bit for bit, what the other
+    backends' write_kv makes of the position-major pool, in the kernel's page layout -- bf16
+    rounded to nearest, a non-finite value stored as 0, padding tokens (slot -1) writing nothing,
+    other layers untouched. Odd block sizes keep a bf16 page's values in rows (5)."""
+    require_native()
+    rows = CASES["mixed step"]
+    rng = np.random.default_rng(block_size)
+    T, S = 64, len(rows) + 1
+    P = -(-max(c + n for c, n in rows) // block_size) + 1
+    pool, q, k, v, attn = make_batch(rng, rows, block_size, T, S, P, S * P + 2, 64)
+    pool = tuple(jnp.concatenate([c, c[::-1] * 2]).astype(dtype) for c in pool)  # two layers; layer 1 read and written
+    k = k.at[0, 0, 3].set(jnp.nan).at[0, 1, 5].set(jnp.inf)  # row 0's one token
+    v = v.at[0, 1, 7].set(-jnp.inf)
+
+    @jax.jit
+    def run(pool, slots):
+        layout = token_layout(attn, T)
+        qg = q.reshape(T, KVH, G, 64) * 64 ** -0.5
+        args = (qg, k, v, *native.to_pages(*pool), jnp.int32(1), attn.block_tables[layout.seq], layout)
+        return native.attention(*args), native.attention(*args, slot_mapping=slots)
+
+    plain, (o, written) = run(pool, attn.slot_mapping)
+    other_rows = np.arange(T) > 0  # row 0 attends to its own non-finite K/V
+    np.testing.assert_array_equal(np.asarray(o)[other_rows], np.asarray(plain)[other_rows])
+    bits = lambda x: np.asarray(jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype == jnp.bfloat16 else x)  # noqa: E731
+    want = [c.at[1].set(write_kv(c[1:], x[None], attn.slot_mapping)[0]) for c, x in zip(pool, (k, v))]
+    for got, w in zip(written, native.to_pages(*want)):
+        assert np.array_equal(bits(got), bits(w))
+    assert np.all(np.isfinite(np.asarray(written[0], np.float32)))
+    for got, orig in zip(native.from_pages(*native.to_pages(*pool)), pool):  # the layout undone
+        assert np.array_equal(bits(got), bits(orig))
+
+
+def test_native_rejects_a_slot_outside_the_pool():
+    require_native()
+    rng = np.random.default_rng(0)
+    pool, q, k, v, attn = make_batch(rng, [(20, 1)], 16, 8, 2, 4, 6, 16)
+    layout = token_layout(attn, 8)
+    slots = attn.slot_mapping.at[0].set(6 * 16)
+    with pytest.raises(Exception, match=r"token 0's slot 96 outside the pool \[0, 96\) \(-1: none\)"):
+        jax.block_until_ready(native.attention(q.reshape(8, KVH, G, 16), k, v, *pool, jnp.int32(0),
+                                               attn.block_tables[layout.seq], layout, slot_mapping=slots))
 
 
 def test_backend_choice_when_the_kernel_cannot_be_built(monkeypatch):

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from helpers import require_native, require_native_matmul
+from pagedjax import native
 from pagedjax.attention import AttentionMetadata, init_kv_cache, make_attention
 from pagedjax.model import ModelConfig, compute_logits, forward, load_model
 from pagedjax.model.llama import init_random_params, rope_inv_freq
@@ -257,8 +258,9 @@ def test_ragged_prefill_and_decode_match_hf(tiny, backend):
 @pytest.mark.parametrize("backend", ["jnp", "reference", "native", "native, unstacked", "native, panels"])
 def test_padding_rows_write_nothing(backend):
     """slot -1 rows leave the cache untouched; real rows land exactly at their slots, whether each
-    layer writes its K/V in the loop ("jnp") or the model writes them all after it ("reference",
-    "native"); and a one-token step writes its one token, or nothing when it is padding."""
+    layer writes its K/V in the loop ("jnp"; "native" in its C++ call, in its own page layout,
+    read back through native.from_pages) or the model writes them all after it ("reference");
+    and a one-token step writes its one token, or nothing when it is padding."""
     from transformers import LlamaConfig
 
     backend, _, layout = backend.partition(", ")
@@ -277,6 +279,8 @@ def test_padding_rows_write_nothing(backend):
     # which the model must not write however the attention treats them
     _, (k, v) = forward(params, cfg, jnp.array([3, 4, 5, 6], jnp.int32), jnp.array([0, 0, 1, 0], jnp.int32),
                         kv, attn, make_attention(backend))
+    position_major = native.from_pages if backend == "native" else lambda k, v: (k, v)
+    k, v = position_major(k, v)
     flat = np.asarray(k).reshape(cfg.num_layers, cfg.num_kv_heads, num_blocks * BLOCK_SIZE, cfg.head_dim)
     written = np.any(flat != 0, axis=(0, 1, 3))
     assert sorted(np.nonzero(written)[0].tolist()) == [5, 9]
@@ -284,8 +288,9 @@ def test_padding_rows_write_nothing(backend):
     for slot, expect in ((-1, []), (7, [7])):
         one = AttentionMetadata(jnp.array([slot], jnp.int32), jnp.array([[1, 0, 0]], jnp.int32),
                                 jnp.array([1], jnp.int32), jnp.array([0, 1], jnp.int32), jnp.asarray(1, jnp.int32))
-        _, (k, _) = forward(params, cfg, jnp.array([3], jnp.int32), jnp.array([0], jnp.int32),
+        _, kv_one = forward(params, cfg, jnp.array([3], jnp.int32), jnp.array([0], jnp.int32),
                             init_kv_cache(cfg, num_blocks, BLOCK_SIZE), one, make_attention(backend))
+        k, _ = position_major(*kv_one)
         flat = np.asarray(k).reshape(cfg.num_layers, cfg.num_kv_heads, num_blocks * BLOCK_SIZE, cfg.head_dim)
         assert np.nonzero(np.any(flat != 0, axis=(0, 1, 3)))[0].tolist() == expect
 

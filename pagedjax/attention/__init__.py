@@ -16,12 +16,12 @@ Two ways to get a step's own K/V into the attention, one per kind of backend:
                      carried through the layer loop (in place: nothing is sliced out or copied),
                      then attends over the pool, which now holds them. This is how the Pallas
                      kernel works on a GPU or TPU.
-  writes_kv = False  ("reference", "native"): the pool is only read inside the loop; each token
-                     attends to its row's cached context in the pool plus the step's own K/V,
-                     and the model writes every layer's K/V once after the loop. This is the
-                     CPU's way (see pagedjax.attention.xla for why). They hand the pool back
-                     unchanged; "native" through its C++ call (aliased buffers), which orders
-                     the write after every layer's read so XLA never copies the pool for it.
+  writes_kv = False  ("reference"): the pool is only read inside the loop; each token attends
+                     to its row's cached context in the pool plus the step's own K/V, and the
+                     model writes every layer's K/V once after the loop. This is the CPU's way
+                     (see pagedjax.attention.xla for why). "native" attends the same way and
+                     then writes its layer's K/V itself, in the same C++ call (aliased buffers),
+                     after every read: it is a writes_kv backend, whose pool XLA never copies.
 
 Backends:
   "pallas"     the ragged Pallas kernel (pagedjax.pallas), tiled for the device `limits` describe;
@@ -128,7 +128,8 @@ class JnpAttention(_WriteThenRead):
 
 @dataclasses.dataclass(frozen=True)
 class _Split(Attention):
-    """The CPU backends: read-only pool, the step's K/V merged in (pagedjax.attention.xla)."""
+    """The CPU backends: each token over the pool's cached context, the step's K/V merged in
+    (pagedjax.attention.xla); a plan is (layout, tables) plus what a backend adds."""
 
     writes_kv = False
 
@@ -136,16 +137,16 @@ class _Split(Attention):
         layout = token_layout(meta, num_tokens)
         return layout, meta.block_tables[layout.seq]          # each token's row's table [T, P]
 
-    def split(self, qg, k, v, k_cache, v_cache, layer, tables, layout):
-        """-> (o, (k_cache, v_cache)): the output and the pool, unchanged."""
+    def split(self, qg, k, v, k_cache, v_cache, layer, tables, layout, *extra):
+        """-> (o, (k_cache, v_cache)): the output and the pool (unchanged unless writes_kv)."""
         raise NotImplementedError
 
     def __call__(self, q, k, v, kv_cache, layer, plan):
-        layout, tables = plan
+        layout, tables, *extra = plan
         T, H, D = q.shape
         kvh = k.shape[1]
         qg = q.astype(jnp.float32).reshape(T, kvh, H // kvh, D) * D ** -0.5
-        o, kv_cache = self.split(qg, k, v, kv_cache[0], kv_cache[1], layer, tables, layout)
+        o, kv_cache = self.split(qg, k, v, kv_cache[0], kv_cache[1], layer, tables, layout, *extra)
         return o.astype(q.dtype), kv_cache
 
 
@@ -161,24 +162,28 @@ class XlaAttention(_Split):
 
 @dataclasses.dataclass(frozen=True)
 class NativeAttention(_Split):
-    """The "native" backend: the same in one C++ call per layer (pagedjax.native)."""
+    """The "native" backend: the same in one C++ call per layer (pagedjax.native), which also
+    writes the layer's K/V into the pool after its reads. Its pool's pages are laid out for the
+    kernel's sums (`pagedjax.native.to_pages`), so only this backend reads and writes them; whole
+    blocks still move as they are (swaps, copy-on-write, prefix sharing)."""
 
-    # the call hands the pool back, so layers laid out one after another still write it in place
-    # (XLA's attention ops could not: their reads would make XLA copy the pool), and XLA:CPU
-    # copies a stacked weight's slice before every matmul
+    # each call writes its layer and hands the pool back (aliased), so the layers laid out one
+    # after another update it in place; XLA:CPU copies a stacked weight's slice before every matmul
+    writes_kv = True
     unstacked_layers = True
 
     def pool_dtype(self, dtype):
-        # a bfloat16 pool as its bits: the kernel reads them as bfloat16 either way, and the
-        # step's K/V write then never converts the pool
+        # a bfloat16 pool as its bits: the kernel reads and writes them as bfloat16 either way,
+        # and XLA then never converts the pool
         return jnp.uint16 if jnp.dtype(dtype) == jnp.bfloat16 else dtype
 
-    def split(self, qg, k, v, k_cache, v_cache, layer, tables, layout):
+    def plan(self, meta, num_tokens):
+        return (*super().plan(meta, num_tokens), meta.slot_mapping)
+
+    def split(self, qg, k, v, k_cache, v_cache, layer, tables, layout, slots):
         from pagedjax import native
 
-        # the pool handed back through the call: the step's K/V write after the layers then
-        # waits for every layer's read, and XLA writes the pool in place
-        return native.attention(qg, k, v, k_cache, v_cache, layer, tables, layout, passing_pool=True)
+        return native.attention(qg, k, v, k_cache, v_cache, layer, tables, layout, slot_mapping=slots)
 
 
 def resolve_backend(backend: str, tensor_parallel_size: int = 1, platform: str | None = None) -> str:

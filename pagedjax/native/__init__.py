@@ -5,7 +5,8 @@ Two kernels:
   cached context, read page by page from the pool, and over the step's own K/V of its row. It
   computes what `pagedjax.attention.xla.xla_attention` computes with XLA ops (`context_attention`
   + `split_attention`), and replaces it in the "native" attention backend ("auto" on a CPU picks
-  that backend when the kernel builds).
+  that backend when the kernel builds). Its pool's pages are laid out for its sums (`to_pages`)
+  and it writes the step's K/V into them itself (`slot_mapping`).
 - `matmul` (pagedjax/native/matmul.cc, AVX-512 CPUs): x times a weight held as `Panels`, on
   every core at the memory's rate; the native path's projections and output head
   (pagedjax.model.step_weights). `PAGEDJAX_NATIVE_MATMUL=0` leaves them to XLA.
@@ -40,7 +41,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("attention.cc")
 TARGET = "pagedjax_cpu_attention"
 SYMBOL = "PagedjaxCpuAttention"
-PASSING_POOL = ("_passing_pool", "PassingPool")   # the suffixes of the handler that hands the pool back
+WRITING = ("_writing", "Writing")   # the suffixes of the handler that writes the step's K/V into the pool
 # -ffast-math lets the dot products and exp vectorise (glibc's vector exp); the kernel never
 # computes with infinities (see kNoScore in the source)
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC")
@@ -118,8 +119,8 @@ def _register(source: Path = SOURCE, target: str = TARGET, extra_flags: tuple[st
     try:
         lib = ctypes.cdll.LoadLibrary(str(build(source=source, extra_flags=extra_flags)))
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, SYMBOL)), platform="cpu")
-        if hasattr(lib, SYMBOL + PASSING_POOL[1]):   # another version of the source may not have it
-            jax.ffi.register_ffi_target(target + PASSING_POOL[0], jax.ffi.pycapsule(getattr(lib, SYMBOL + PASSING_POOL[1])),
+        if hasattr(lib, SYMBOL + WRITING[1]):   # another version of the source may not have it
+            jax.ffi.register_ffi_target(target + WRITING[0], jax.ffi.pycapsule(getattr(lib, SYMBOL + WRITING[1])),
                                         platform="cpu")
     except (NativeUnavailable, OSError, AttributeError) as e:
         return str(e)
@@ -381,35 +382,62 @@ _UNPACKERS = {"q4": _unpack_q4, "q8": _unpack_q8, "bf16": _unpack_bf16}
 
 
 def attention(qg, k_new, v_new, k_cache, v_cache, layer, tables, layout, target: str = TARGET,
-              *, passing_pool: bool = False):
+              *, slot_mapping=None):
     """Drop-in for `pagedjax.attention.xla.xla_attention` (same arguments, same result): qg f32
     [T, KVH, G, D] scaled queries; k_new, v_new [T, KVH, D] the step's own K/V; the pool
-    [L, KVH, NB, BS, D] f32 or bf16, not yet holding them; layer an int32 scalar; tables [T, P]
-    each token's row's block table; layout the `TokenLayout` of the step. Returns f32
-    [T, KVH * G, D] (0 for padding tokens). `target`: one from `register_source`.
+    [L, KVH, NB, BS, D] f32 or bf16 (or bf16 as uint16 bits), its pages in the kernel's layout
+    (`to_pages`), not yet holding them; layer an int32 scalar; tables [T, P] each token's row's
+    block table; layout the `TokenLayout` of the step. Returns f32 [T, KVH * G, D] (0 for
+    padding tokens). `target`: one from `register_source`.
 
-    passing_pool=True returns `(o, (k_cache, v_cache))`: the pool handed back unchanged, in the
-    same buffers. Thread it on (the next layer's call, then the step's K/V write) and the write
-    comes after every read by construction, so XLA updates the donated pool in place; a write
-    into the pool the calls were given could not be ordered after the last of them, and XLA
-    copies the whole pool to keep that read safe. Unless the pool is donated or threaded on,
-    XLA copies it before the call instead."""
+    slot_mapping (int32 [T], -1 for none) also writes the step's K/V into the pool's `layer` at
+    those slots, after every read, and returns `(o, (k_cache, v_cache))`: the pool handed back in
+    the same buffers (aliased), now holding them. Thread it on to the next layer's call and XLA
+    updates the donated pool in place; unless it is donated or threaded on, XLA copies it first."""
     reason = _register() if target == TARGET else None
     if reason is not None:
         raise NativeUnavailable(reason)
     T, KVH, G, D = qg.shape
     out = jax.ShapeDtypeStruct((T, KVH, G, D), jnp.float32)
-    if passing_pool:
-        like = lambda c: jax.ShapeDtypeStruct(c.shape, c.dtype)  # noqa: E731
-        call = jax.ffi.ffi_call(target + PASSING_POOL[0], (out, like(k_cache), like(v_cache)),
-                                input_output_aliases={3: 1, 4: 2})
-    else:
-        call = jax.ffi.ffi_call(target, out)
     i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
     f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
-    result = call(f32(qg), f32(k_new), f32(v_new), k_cache, v_cache, i32(layer), i32(tables),
-                  i32(jnp.where(layout.valid, layout.seq, -1)), i32(jnp.where(layout.valid, layout.start, 0)))
-    if passing_pool:
-        o, k_cache, v_cache = result
-        return o.reshape(T, KVH * G, D), (k_cache, v_cache)
-    return result.reshape(T, KVH * G, D)
+    operands = (f32(qg), f32(k_new), f32(v_new), k_cache, v_cache, i32(layer), i32(tables),
+                i32(jnp.where(layout.valid, layout.seq, -1)), i32(jnp.where(layout.valid, layout.start, 0)))
+    if slot_mapping is None:
+        return jax.ffi.ffi_call(target, out)(*operands).reshape(T, KVH * G, D)
+    like = lambda c: jax.ShapeDtypeStruct(c.shape, c.dtype)  # noqa: E731
+    call = jax.ffi.ffi_call(target + WRITING[0], (out, like(k_cache), like(v_cache)), input_output_aliases={3: 1, 4: 2})
+    o, k_cache, v_cache = call(*operands, i32(slot_mapping))
+    return o.reshape(T, KVH * G, D), (k_cache, v_cache)
+
+
+def _lanes(pool) -> tuple[int, int]:
+    """Values per 32-bit lane of the kernel's K and V pages (1 for float32, 2 for 16-bit values;
+    V pages of an odd block size keep their rows)."""
+    w = 4 // jnp.dtype(pool.dtype).itemsize
+    return w, w if pool.shape[-2] % w == 0 else 1
+
+
+def to_pages(k_cache, v_cache):
+    """A pool in the other backends' layout (each page [BS, D], position-major) as the native
+    kernel lays it out: K pages [D / W, BS, W], V pages [BS / W, D, W], W values per 32-bit lane
+    (1 for float32, 2 for bfloat16), so that 16 positions sit side by side in a vector the way
+    its sums want them. For tests and tools; the kernel writes its own pool (`slot_mapping`)."""
+    w, wv = _lanes(k_cache)
+    *lead, bs, d = k_cache.shape
+    k = k_cache.reshape(*lead, bs, d // w, w)
+    k = jnp.swapaxes(k, -3, -2).reshape(*lead, bs, d)
+    v = v_cache.reshape(*lead, bs // wv, wv, d)
+    v = jnp.swapaxes(v, -2, -1).reshape(*lead, bs, d)
+    return k, v
+
+
+def from_pages(k_cache, v_cache):
+    """`to_pages` undone: the native kernel's pool in the position-major layout."""
+    w, wv = _lanes(k_cache)
+    *lead, bs, d = k_cache.shape
+    k = k_cache.reshape(*lead, d // w, bs, w)
+    k = jnp.swapaxes(k, -3, -2).reshape(*lead, bs, d)
+    v = v_cache.reshape(*lead, bs // wv, d, wv)
+    v = jnp.swapaxes(v, -2, -1).reshape(*lead, bs, d)
+    return k, v

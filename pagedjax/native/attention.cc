@@ -7,22 +7,28 @@
 //   2. this step's own K/V of its row up to itself (the row's new tokens are contiguous and in
 //      position order, so that is the run of same-row tokens ending at the token),
 // with one online softmax. XLA spends most of the time of its version gathering pages into
-// temporaries and dispatching many tiny products; here each page is read once per token group
-// while it sits in L1/L2, and the work is spread over XLA's intra-op thread pool. A bfloat16
-// pool is read in place: on CPUs with AVX512_BF16 by bf16 pair products (queries and softmax
-// weights rounded to bf16, float32 sums: AttendHeadsBf16), else widened to float32 (LoadChunk).
+// temporaries and dispatching many tiny products; here a decode token goes over its pages in one
+// pass with its state in registers (a prefill chunk's tokens a few pages at a time, so that the
+// pages are read from memory once), and the work is spread over XLA's intra-op thread pool.
+// Pages are laid out for these sums (see KIndex below): K with 16 positions side by side, so a
+// tile's scores need no sums across lanes. A bfloat16 pool is read in place: on CPUs with
+// AVX512_BF16 by bf16 pair products (queries and softmax weights rounded to bf16, float32
+// sums), else widened to float32.
 //
 //   q      f32 [T, KVH, G, D]      scaled queries, grouped by kv head
 //   k_new  f32 [T, KVH, D]         this step's keys (rotary applied) and values
 //   v_new  f32 [T, KVH, D]
-//   k, v   f32|bf16|u16 [L, KVH, NB, BS, D]   the whole pool (not yet holding this step's K/V;
-//          u16: bfloat16 values as their bits)
+//   k, v   f32|bf16|u16 [L, KVH, NB, BS, D]   the whole pool, each page of BS * D values in the
+//          kernel's layout (u16: bfloat16 values as their bits), not yet holding this step's K/V
 //   layer  s32 []                   which layer of the pool to read
 //   tables s32 [T, P]               each token's row's block table
 //   seq    s32 [T]                  each token's row, -1 for padding (output 0)
 //   start  s32 [T]                  cached positions before the row's new tokens
+//   slots  s32 [T]                  (the writing handler only) each token's flat slot in the
+//                                   pool, -1 for none: its K/V are written there after the reads
 // ->
 //   o      f32 [T, KVH, G, D]       the attention output
+//   k, v                            (the writing handler only) the pool, aliased, now holding them
 //
 // Built on first use by pagedjax/native/__init__.py (g++ -O3 -march=native -ffast-math) and
 // checked against the pure-jnp ragged reference in tests/test_cpu_attention.py.
@@ -81,6 +87,22 @@ struct State {
   float* acc;
 };
 
+// One head's online-softmax update over n scores (turned into their weights in place): the running
+// max and denominator move and the output (D floats) is rescaled. The portable version.
+inline void SoftmaxStep(float* __restrict sg, int64_t n, int64_t D, State s) {
+  float m_new = *s.mx;
+  for (int64_t j = 0; j < n; ++j) m_new = std::max(m_new, sg[j]);
+  const float alpha = std::exp(*s.mx - m_new);  // 0 on the first rows
+  float sum = 0.f;
+  for (int64_t j = 0; j < n; ++j) {
+    sg[j] = std::exp(sg[j] - m_new);
+    sum += sg[j];
+  }
+  *s.dn = *s.dn * alpha + sum;
+  *s.mx = m_new;
+  for (int64_t d = 0; d < D; ++d) s.acc[d] *= alpha;
+}
+
 // Attend one token's G query heads (q: G x D, contiguous) over n key/value rows (row j at
 // k + j * D, v + j * D), updating the state. The portable version: the compiler vectorises over D.
 // scratch holds G * 16 floats.
@@ -97,21 +119,7 @@ inline void AttendGeneric(const float* __restrict q, int64_t G, int64_t D, const
         scratch[g * 16 + j] = dot;
       }
     }
-    for (int64_t g = 0; g < G; ++g) {
-      float* __restrict sg = scratch + g * 16;
-      float m_new = s.mx[g];
-      for (int64_t j = 0; j < nj; ++j) m_new = std::max(m_new, sg[j]);
-      const float alpha = std::exp(s.mx[g] - m_new);  // 0 on the first rows
-      float sum = 0.f;
-      for (int64_t j = 0; j < nj; ++j) {
-        sg[j] = std::exp(sg[j] - m_new);
-        sum += sg[j];
-      }
-      s.dn[g] = s.dn[g] * alpha + sum;
-      s.mx[g] = m_new;
-      float* __restrict a = s.acc + g * D;
-      for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
-    }
+    for (int64_t g = 0; g < G; ++g) SoftmaxStep(scratch + g * 16, nj, D, State{s.mx + g, s.dn + g, s.acc + g * D});
     for (int64_t j = 0; j < nj; ++j) {  // each V row loaded once for the G heads
       const float* __restrict vj = v + (j0 + j) * D;
       for (int64_t g = 0; g < G; ++g) {
@@ -204,28 +212,14 @@ inline __m512 SoftmaxUpdate(__m512 sc, __mmask16 live, float* mx, float* dn, __m
   return p;
 }
 
-// A 16-float chunk of a K/V row. f32 rows: chunk c is values [16c, 16c + 16). bf16 rows (as
-// their bits): 32 values fill one 64-byte load, and the two chunks made from it are the even-
-// and the odd-indexed values (a shift and a mask, no shuffles) -- Order::kSplit.
-// Scores do not depend on the order of d as long as q is in the same order, and
-// the output accumulates in that order too, so a bf16 page is read straight from the pool.
-inline __m512 LoadChunk(const float* row, int c) { return _mm512_loadu_ps(row + 16 * c); }
-inline __m512 LoadChunk(const uint16_t* row, int c) {
-  const __m512i x = _mm512_loadu_si512(row + 32 * (c / 2));
-  return _mm512_castsi512_ps(c % 2 ? _mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)))
-                                   : _mm512_slli_epi32(x, 16));
-}
-
-// AttendGeneric with AVX-512 for D = 16 * DC and GN query heads at once (GN * DC <= 16, so
-// that their outputs stay in registers). Rows are taken 16 at a time: 16 rows are *read* from
-// each chunk start even past n (the caller guarantees they exist and are finite), and the scores
-// past n are masked. Each K and V chunk is loaded (and, for bf16, widened) once for the GN heads,
-// and the heads' sums are independent chains the core runs side by side.
-// next_k, next_v (or null): the next page's rows, asked for (into L2) one row of each as each
-// row here is scored, so the requests go out spread over the work (see Kernel::Run).
-template <int DC, int GN, typename KV>
-inline void AttendHeadsAvx512(const float* __restrict q, const KV* __restrict k, const KV* __restrict v, int64_t n,
-                              State s, const KV* next_k = nullptr, const KV* next_v = nullptr) {
+// AttendGeneric with AVX-512 for float32 rows (D = 16 * DC) and GN query heads at once (GN * DC
+// <= 16, so that their outputs stay in registers): this step's own K/V of a row, copied into
+// contiguous rows. Rows are taken 16 at a time: 16 rows are *read* from each chunk start even
+// past n (the caller pads them with zeros), and the scores past n are masked. Each K and V chunk
+// is loaded once for the GN heads, whose sums are independent chains the core runs side by side.
+template <int DC, int GN>
+inline void AttendHeadsAvx512(const float* __restrict q, const float* __restrict k, const float* __restrict v,
+                              int64_t n, State s) {
   constexpr int64_t D = 16 * DC;
   alignas(64) float pb[GN][16];
   __m512 o[GN][DC];
@@ -234,33 +228,24 @@ inline void AttendHeadsAvx512(const float* __restrict q, const KV* __restrict k,
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
     const int64_t nj = std::min<int64_t>(16, n - j0);
     const __mmask16 live = static_cast<__mmask16>((1u << nj) - 1);
-    const KV* kc = k + j0 * D;
-    const KV* vc = v + j0 * D;
+    const float* kc = k + j0 * D;
+    const float* vc = v + j0 * D;
     __m512 sc[GN];
     Scores16<GN>([&](int j, __m512 (&part)[GN]) {
-      const KV* kj = kc + j * D;
-      if (next_k != nullptr) {
-        const char* nk = reinterpret_cast<const char*>(next_k + (j0 + j) * D);
-        const char* nv = reinterpret_cast<const char*>(next_v + (j0 + j) * D);
-        for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(KV)); b += 64) {
-          __builtin_prefetch(nk + b, 0, 2);
-          __builtin_prefetch(nv + b, 0, 2);
-        }
-      }
-      const __m512 k0 = LoadChunk(kj, 0);
+      const float* kj = kc + j * D;
+      const __m512 k0 = _mm512_loadu_ps(kj);
       for (int g = 0; g < GN; ++g) part[g] = _mm512_mul_ps(_mm512_loadu_ps(q + g * D), k0);
       for (int c = 1; c < DC; ++c) {
-        const __m512 kx = LoadChunk(kj, c);
+        const __m512 kx = _mm512_loadu_ps(kj + 16 * c);
         for (int g = 0; g < GN; ++g) part[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + 16 * c), kx, part[g]);
       }
     }, live, sc);
     for (int g = 0; g < GN; ++g)
       _mm512_store_ps(pb[g], SoftmaxUpdate(sc[g], live, s.mx + g, s.dn + g, o[g], [](__m512 p) { return p; }));
-    // values
     for (int64_t j = 0; j < nj; ++j) {
-      const KV* vj = vc + j * D;
+      const float* vj = vc + j * D;
       for (int c = 0; c < DC; ++c) {
-        const __m512 vx = LoadChunk(vj, c);
+        const __m512 vx = _mm512_loadu_ps(vj + 16 * c);
         for (int g = 0; g < GN; ++g) o[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(pb[g][j]), vx, o[g][c]);
       }
     }
@@ -269,143 +254,277 @@ inline void AttendHeadsAvx512(const float* __restrict q, const KV* __restrict k,
     for (int c = 0; c < DC; ++c) _mm512_storeu_ps(s.acc + g * D + 16 * c, o[g][c]);
 }
 
-#if defined(__AVX512BF16__)
-// The bf16 page path on CPUs with AVX512_BF16: products of bfloat16 pairs summed into float32
-// lanes (vdpbf16ps), as flash attention multiplies bf16 operands with f32 accumulation. The
-// queries and the softmax weights enter as bfloat16 (rounded to nearest); every sum is float32.
-// Against widening each page to f32 this halves the vector instructions per cached position.
-//
-// Scores: a K row's 32-value chunk against the same chunk of bf16 q gives 16 lanes of pair sums,
-// in natural order of d. Values: two rows' chunks interleaved (unpacklo/hi_epi16) pair V[j][d]
-// with V[j+1][d], weighted by (p[j], p[j+1]); the output lanes then run in "pairs" order
-// (Order::kPairs): lane 4l + i of accumulator 2c + h is d = 32c + 8l + 4h + i. next_k, next_v:
-// as AttendHeadsAvx512's.
-inline __m512bh AsBh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
-
-template <int KC, int GN>
-inline void AttendHeadsBf16(const uint16_t* __restrict qb, const uint16_t* __restrict k,
-                            const uint16_t* __restrict v, int64_t n, State s, const uint16_t* next_k = nullptr,
-                            const uint16_t* next_v = nullptr) {
-  constexpr int64_t D = 32 * KC;
-  alignas(64) uint32_t pp[GN][8];  // the weights of rows 2i and 2i+1 as one bf16 pair
-  __m512 o[GN][2 * KC];
-  for (int g = 0; g < GN; ++g)
-    for (int c = 0; c < 2 * KC; ++c) o[g][c] = _mm512_loadu_ps(s.acc + g * D + 16 * c);
-  for (int64_t j0 = 0; j0 < n; j0 += 16) {
-    const int64_t nj = std::min<int64_t>(16, n - j0);
-    const __mmask16 live = static_cast<__mmask16>((1u << nj) - 1);
-    const uint16_t* kc = k + j0 * D;
-    const uint16_t* vc = v + j0 * D;
-    __m512 sc[GN];
-    Scores16<GN>([&](int j, __m512 (&part)[GN]) {
-      const uint16_t* kj = kc + j * D;
-      if (next_k != nullptr) {
-        const char* nk = reinterpret_cast<const char*>(next_k + (j0 + j) * D);
-        const char* nv = reinterpret_cast<const char*>(next_v + (j0 + j) * D);
-        for (int64_t b = 0; b < D * 2; b += 64) {
-          __builtin_prefetch(nk + b, 0, 2);
-          __builtin_prefetch(nv + b, 0, 2);
-        }
-      }
-      for (int g = 0; g < GN; ++g) part[g] = _mm512_setzero_ps();
-      for (int c = 0; c < KC; ++c) {
-        const __m512bh kx = AsBh(_mm512_loadu_si512(kj + 32 * c));
-        for (int g = 0; g < GN; ++g)
-          part[g] = _mm512_dpbf16_ps(part[g], kx, AsBh(_mm512_loadu_si512(qb + g * D + 32 * c)));
-      }
-    }, live, sc);
-    for (int g = 0; g < GN; ++g) {
-      // the weights rounded to bf16 (exactly representable, so converting again is exact)
-      const __m512 p = SoftmaxUpdate(sc[g], live, s.mx + g, s.dn + g, o[g], [](__m512 x) {
-        const __m256bh b = _mm512_cvtneps_pbh(x);
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(b)), 16));
-      });
-      const __m256bh pb = _mm512_cvtneps_pbh(p);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(pp[g]), reinterpret_cast<const __m256i&>(pb));
-    }
-    // rows past nj have weight 0 (and exist: 16 rows are read from every chunk start)
-    for (int64_t i = 0; 2 * i < nj; ++i) {
-      const uint16_t* v0 = vc + 2 * i * D;
-      for (int c = 0; c < KC; ++c) {
-        const __m512i a = _mm512_loadu_si512(v0 + 32 * c);
-        const __m512i b = _mm512_loadu_si512(v0 + D + 32 * c);
-        const __m512bh lo = AsBh(_mm512_unpacklo_epi16(a, b));
-        const __m512bh hi = AsBh(_mm512_unpackhi_epi16(a, b));
-        for (int g = 0; g < GN; ++g) {
-          const __m512bh w = AsBh(_mm512_set1_epi32(static_cast<int>(pp[g][i])));
-          o[g][2 * c] = _mm512_dpbf16_ps(o[g][2 * c], lo, w);
-          o[g][2 * c + 1] = _mm512_dpbf16_ps(o[g][2 * c + 1], hi, w);
-        }
-      }
-    }
-  }
-  for (int g = 0; g < GN; ++g)
-    for (int c = 0; c < 2 * KC; ++c) _mm512_storeu_ps(s.acc + g * D + 16 * c, o[g][c]);
-}
-
-// All G query heads of one kv head, as AttendAvx512 takes them.
-template <int KC>
-inline void AttendBf16(const uint16_t* qb, int64_t G, const uint16_t* k, const uint16_t* v, int64_t n, State s,
-                       const uint16_t* next_k = nullptr, const uint16_t* next_v = nullptr) {
-  constexpr int64_t D = 32 * KC;
-  ForHeadGroups<(8 / KC < 4 ? 8 / KC : 4)>(G, [&](auto gn, int64_t g) {
-    AttendHeadsBf16<KC, decltype(gn)::value>(qb + g * D, k, v, n, State{s.mx + g, s.dn + g, s.acc + g * D},
-                                             g == 0 ? next_k : nullptr, next_v);
-  });
-}
-#endif
-
-// All G query heads of one kv head (the first group asks for next_k, next_v).
-template <int DC, typename KV>
-inline void AttendAvx512(const float* q, int64_t G, const KV* k, const KV* v, int64_t n, State s,
-                         const KV* next_k = nullptr, const KV* next_v = nullptr) {
+// All G query heads of one kv head.
+template <int DC>
+inline void AttendAvx512(const float* q, int64_t G, const float* k, const float* v, int64_t n, State s) {
   constexpr int64_t D = 16 * DC;
   ForHeadGroups<(16 / DC < 4 ? 16 / DC : 4)>(G, [&](auto gn, int64_t g) {
-    AttendHeadsAvx512<DC, decltype(gn)::value>(q + g * D, k, v, n, State{s.mx + g, s.dn + g, s.acc + g * D},
-                                               g == 0 ? next_k : nullptr, next_v);
+    AttendHeadsAvx512<DC, decltype(gn)::value>(q + g * D, k, v, n, State{s.mx + g, s.dn + g, s.acc + g * D});
   });
 }
 #endif
 
-// The orders of d the fast paths hold queries, this step's K/V rows and the output in.
-//   kNatural: d itself.
-//   kSplit:   per 32 values, the 16 even-indexed then the 16 odd (LoadChunk's bf16 order).
-//   kPairs:   AttendHeadsBf16's output order: lane 4l + i of 16-float chunk 2c + h holds
-//             d = 32c + 8l + 4h + i.
-enum class Order { kNatural, kSplit, kPairs };
+// ---------------------------------------------------------------------------------------------
+// The pool's page layout. A page holds BS positions of one layer and kv head, BS * D values; the
+// kernel lays them out so that 16 positions sit side by side in one vector, as its sums want
+// them. With W values per 32-bit lane (1 for float32, 2 for bfloat16):
+//   K: [D / W][BS][W]   position o's values d, d+1.. of one lane beside position o+1's: the
+//                       scores of 16 positions are then D / W multiply-adds, no sums across lanes;
+//   V: [BS / W][D][W]   value d of positions o, o+1 (bfloat16) in one lane: one pair product
+//                       adds both positions' weighted values to output lane d (float32: rows).
+// Values of a bfloat16 page with an odd BS stay in rows (W = 1 for V). The kernel alone writes
+// the pool (WritePool) and reads it; copies of whole blocks (swaps, copy-on-write) keep it.
 
-// The index in d of position i of a row in `order`.
-inline int64_t SourceIndex(Order order, int64_t i) {
-  const int64_t b = i / 32 * 32, r = i % 32;
-  switch (order) {
-    case Order::kSplit: return b + (r < 16 ? 2 * r : 2 * (r - 16) + 1);
-    case Order::kPairs: return b + 8 * (r % 16 / 4) + 4 * (r / 16) + r % 4;
-    default: return i;
-  }
-}
+inline int64_t KIndex(int64_t o, int64_t d, int64_t BS, int64_t W) { return ((d / W) * BS + o) * W + d % W; }
+inline int64_t VIndex(int64_t o, int64_t d, int64_t D, int64_t W) { return ((o / W) * D + d) * W + o % W; }
+template <typename KV>
+constexpr int64_t kLane = 4 / static_cast<int64_t>(sizeof(KV));
+template <typename KV>
+inline int64_t ValueLane(int64_t BS) { return BS % kLane<KV> == 0 ? kLane<KV> : 1; }
 
-inline void Permute(Order order, float* __restrict dst, const float* __restrict src, int64_t D) {
-  if (order == Order::kNatural) {
-    std::memcpy(dst, src, D * sizeof(float));
-    return;
-  }
-  for (int64_t i = 0; i < D; ++i) dst[i] = src[SourceIndex(order, i)];
-}
-
-// dst in natural order = src (in `order`) times scale, in one pass.
-inline void UnpermuteScaled(Order order, float* __restrict dst, const float* __restrict src, float scale, int64_t D) {
-  if (order == Order::kNatural) {
-    for (int64_t i = 0; i < D; ++i) dst[i] = src[i] * scale;
-    return;
-  }
-  for (int64_t i = 0; i < D; ++i) dst[SourceIndex(order, i)] = src[i] * scale;
-}
+inline float ToF32(float x) { return x; }
+inline float ToF32(uint16_t x) { return Bf16ToF32(x); }
 
 inline uint16_t F32ToBf16(float x) {  // round to nearest even; x is finite
   uint32_t bits;
   std::memcpy(&bits, &x, sizeof bits);
   return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
+
+// A value as the pool stores it: a non-finite one as 0 (a request whose activations overflow
+// ends with an error, and its blocks are reused by others whose attention must not meet 0 * NaN;
+// tested on the bits: -ffast-math assumes every float finite).
+inline bool Finite(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return (bits & 0x7F800000u) != 0x7F800000u;
+}
+inline void Store(float x, float* out) { *out = Finite(x) ? x : 0.f; }
+inline void Store(float x, uint16_t* out) { *out = F32ToBf16(Finite(x) ? x : 0.f); }
+
+// AttendGeneric over one page in the pool's layout (its first n positions), the portable version:
+// the compiler vectorises the scores over the positions (a float32 page holds one d of all of
+// them contiguous) and the values over d. scratch holds G * BS floats.
+template <typename KV>
+inline void AttendPage(const float* __restrict q, int64_t G, int64_t D, const KV* __restrict kp,
+                       const KV* __restrict vp, int64_t n, int64_t BS, State s, float* __restrict scratch) {
+  constexpr int64_t W = kLane<KV>;
+  const int64_t wv = ValueLane<KV>(BS);
+  // scores [G][n], 16 positions at a time in registers where the page has them
+  int64_t j0 = 0;
+  for (; j0 + 16 <= n || (j0 < n && j0 + 16 <= BS); j0 += 16) {
+    const int64_t nj = std::min<int64_t>(16, n - j0);
+    for (int64_t g = 0; g < G; ++g) {
+      alignas(64) float sc[16] = {};
+      if constexpr (W == 1) {  // as two 8-float vectors (GCC vector types: AVX2 registers)
+        typedef float F8 __attribute__((vector_size(32)));
+        F8 lo = {}, hi = {};
+        for (int64_t d = 0; d < D; ++d) {
+          F8 a, b;
+          std::memcpy(&a, kp + d * BS + j0, sizeof a);
+          std::memcpy(&b, kp + d * BS + j0 + 8, sizeof b);
+          lo += q[g * D + d] * a;
+          hi += q[g * D + d] * b;
+        }
+        std::memcpy(sc, &lo, sizeof lo);
+        std::memcpy(sc + 8, &hi, sizeof hi);
+      } else {
+        for (int64_t d = 0; d < D; ++d) {
+          const float qd = q[g * D + d];
+          const KV* __restrict kd = kp + ((d / W) * BS + j0) * W + d % W;
+          for (int j = 0; j < 16; ++j) sc[j] += qd * ToF32(kd[j * W]);
+        }
+      }
+      std::copy(sc, sc + nj, scratch + g * n + j0);
+    }
+  }
+  if (j0 < n) {
+    for (int64_t g = 0; g < G; ++g) std::fill(scratch + g * n + j0, scratch + (g + 1) * n, 0.f);
+    for (int64_t d = 0; d < D; ++d) {
+      const KV* __restrict kd = kp + (d / W) * BS * W + d % W;
+      for (int64_t g = 0; g < G; ++g) {
+        const float qd = q[g * D + d];
+        float* __restrict sg = scratch + g * n;
+        for (int64_t j = j0; j < n; ++j) sg[j] += qd * ToF32(kd[j * W]);
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) SoftmaxStep(scratch + g * n, n, D, State{s.mx + g, s.dn + g, s.acc + g * D});
+  auto values = [&](auto lanes) {  // lanes: wv as a constant, so that the loop over d vectorises
+    constexpr int64_t kW = decltype(lanes)::value;
+    for (int64_t j = 0; j < n; ++j) {
+      const KV* __restrict vj = vp + (j / kW) * D * kW + j % kW;  // value d at vj[d * kW]
+      for (int64_t g = 0; g < G; ++g) {
+        const float pj = scratch[g * n + j];
+        float* __restrict a = s.acc + g * D;
+        for (int64_t d = 0; d < D; ++d) a[d] += pj * ToF32(vj[d * kW]);
+      }
+    }
+  };
+  if (wv == 1) values(std::integral_constant<int64_t, 1>{});
+  else values(std::integral_constant<int64_t, 2>{});
+}
+
+#if defined(__AVX512F__)
+inline __m512 Even(__m512i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)); }  // bf16 pairs' low halves
+inline __m512 Odd(__m512i x) {
+  return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+#if defined(__AVX512BF16__)
+inline __m512bh AsBh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
+#endif
+
+// How many pages ahead AttendPages asks for K and V: one page of a decode token's work is shorter
+// than the memory takes to answer (bench_cpu_attention.py --source, 2-core Zen 4 VM, batch 32 at
+// 916 tokens, bf16, scattered blocks, median: 1 ahead 50.9 ms, 2 ahead 45.3, 3 and 4 no better).
+constexpr int64_t kAhead = 2;
+
+// One token's GN query heads (of one kv head, D = 16 * DC) over pages [p0, p1) of its row's
+// context ctx, in the pool's layout, the online-softmax state held in registers throughout and
+// a page's 16-position tiles taken in turn (BS a multiple of 16). q: the heads' queries [GN][D];
+// qp (kPairs only): the same rounded to bf16, as pairs [GN][D / 2].
+//   float32 pages: a K lane row times the broadcast q[d], a V row times the broadcast weight.
+//   bfloat16, kPairs (AVX512_BF16): pair products (vdpbf16ps) of K lane rows with q's pairs and
+//     of V lane rows with the weight pairs of two positions; queries and weights enter rounded to
+//     bf16, as flash attention multiplies them on an accelerator, and every sum is float32.
+//   bfloat16 otherwise: each lane row widened to its even and odd halves, float32 products.
+// The softmax max moves only when a tile's score exceeds it (then the outputs are rescaled); the
+// denominator is summed in a vector and across its lanes once, at the end. prefetch: the K and V
+// of the page kAhead pages on are asked for (into L2), one 64-byte line with each K load, so the
+// requests go out spread over the work: pages are scattered over the pool and the hardware
+// prefetcher cannot guess the next one.
+template <int DC, int GN, typename KV, bool kPairs>
+inline void AttendPages(const float* __restrict q, const uint32_t* __restrict qp, const KV* k_head, const KV* v_head,
+                        const int32_t* table, int64_t p0, int64_t p1, int64_t ctx, int64_t BS, State s,
+                        bool prefetch) {
+  constexpr int64_t D = 16 * DC;
+  constexpr int64_t W = kLane<KV>;
+  const int64_t page = BS * D;
+  const int64_t n_pages = (ctx + BS - 1) / BS;
+  __m512 o[GN][DC], dnv[GN];
+  float m[GN], dn[GN];
+  for (int g = 0; g < GN; ++g) {
+    for (int c = 0; c < DC; ++c) o[g][c] = _mm512_loadu_ps(s.acc + g * D + 16 * c);
+    dnv[g] = _mm512_setzero_ps();
+    m[g] = s.mx[g];
+    dn[g] = s.dn[g];
+  }
+  alignas(64) float pf[GN][16];    // the weights (float32 products)
+  alignas(64) uint32_t pp[GN][8];  // the weights of positions 2i, 2i+1 as one bf16 pair (kPairs)
+  if (prefetch && p0 == 0 && kAhead > 1 && n_pages > 1) {  // the pages no earlier page asks for
+    for (int64_t b = 0; b < page * static_cast<int64_t>(sizeof(KV)); b += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(k_head + static_cast<int64_t>(table[1]) * page) + b, 0, 2);
+      __builtin_prefetch(reinterpret_cast<const char*>(v_head + static_cast<int64_t>(table[1]) * page) + b, 0, 2);
+    }
+  }
+  for (int64_t p = p0; p < p1; ++p) {
+    const KV* kp = k_head + static_cast<int64_t>(table[p]) * page;
+    const KV* vp = v_head + static_cast<int64_t>(table[p]) * page;
+    const char* nk = nullptr;
+    const char* nv = nullptr;
+    if (prefetch && p + kAhead < n_pages) {
+      nk = reinterpret_cast<const char*>(k_head + static_cast<int64_t>(table[p + kAhead]) * page);
+      nv = reinterpret_cast<const char*>(v_head + static_cast<int64_t>(table[p + kAhead]) * page);
+    }
+    const int64_t n = std::min(BS, ctx - p * BS);
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+      const int64_t nj = std::min<int64_t>(16, n - j0);
+      const __mmask16 live = static_cast<__mmask16>((1u << nj) - 1);
+      // scores: two chains per head, so that the core always has six or more sums in flight;
+      // a page's lines are as many as its K loads (64 bytes each), so each load asks for one
+      __m512 sc[GN][2];
+      for (int g = 0; g < GN; ++g) sc[g][0] = sc[g][1] = _mm512_setzero_ps();
+#pragma GCC unroll 64
+      for (int64_t i = 0; i < D / W; ++i) {
+        const KV* row = kp + (i * BS + j0) * W;
+        if (nk != nullptr) {
+          const int64_t line = ((j0 / 16) * (D / W) + i) * 64;
+          __builtin_prefetch(nk + line, 0, 2);
+          __builtin_prefetch(nv + line, 0, 2);
+        }
+        if constexpr (W == 1) {
+          const __m512 kx = _mm512_loadu_ps(row);
+          for (int g = 0; g < GN; ++g) sc[g][i & 1] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * D + i]), kx, sc[g][i & 1]);
+        } else if constexpr (kPairs) {
+#if defined(__AVX512BF16__)
+          const __m512bh kx = AsBh(_mm512_loadu_si512(row));
+          for (int g = 0; g < GN; ++g)
+            sc[g][i & 1] = _mm512_dpbf16_ps(sc[g][i & 1], kx, AsBh(_mm512_set1_epi32(static_cast<int>(qp[g * D / 2 + i]))));
+#endif
+        } else {
+          const __m512i x = _mm512_loadu_si512(row);
+          const __m512 ke = Even(x), ko = Odd(x);
+          for (int g = 0; g < GN; ++g) {
+            sc[g][i & 1] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * D + 2 * i]), ke, sc[g][i & 1]);
+            sc[g][i & 1] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * D + 2 * i + 1]), ko, sc[g][i & 1]);
+          }
+        }
+      }
+      // the softmax
+      for (int g = 0; g < GN; ++g) {
+        const __m512 x = _mm512_mask_blend_ps(live, _mm512_set1_ps(kNoScore), _mm512_add_ps(sc[g][0], sc[g][1]));
+        if (_mm512_cmp_ps_mask(x, _mm512_set1_ps(m[g]), _CMP_GT_OQ)) {
+          const float m_new = std::max(m[g], _mm512_reduce_max_ps(x));
+          const float alpha = std::exp(m[g] - m_new);  // 0 on the first positions
+          const __m512 al = _mm512_set1_ps(alpha);
+          for (int c = 0; c < DC; ++c) o[g][c] = _mm512_mul_ps(o[g][c], al);
+          dnv[g] = _mm512_mul_ps(dnv[g], al);
+          dn[g] *= alpha;
+          m[g] = m_new;
+        }
+        const __m512 w = _mm512_maskz_mov_ps(live, Exp512(_mm512_sub_ps(x, _mm512_set1_ps(m[g]))));
+        if constexpr (W == 2 && kPairs) {
+#if defined(__AVX512BF16__)
+          // the denominator sums the weights as they enter the products: rounded to bf16
+          const __m256bh b = _mm512_cvtneps_pbh(w);
+          const __m256i bits = reinterpret_cast<const __m256i&>(b);
+          _mm256_store_si256(reinterpret_cast<__m256i*>(pp[g]), bits);
+          dnv[g] = _mm512_add_ps(dnv[g], _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)));
+#endif
+        } else {
+          _mm512_store_ps(pf[g], w);
+          dnv[g] = _mm512_add_ps(dnv[g], w);
+        }
+      }
+      // the values (positions past nj have weight 0)
+      if constexpr (W == 1) {
+        for (int64_t j = 0; j < nj; ++j) {
+          const KV* row = vp + (j0 + j) * D;
+          for (int c = 0; c < DC; ++c) {
+            const __m512 vx = _mm512_loadu_ps(row + 16 * c);
+            for (int g = 0; g < GN; ++g) o[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(pf[g][j]), vx, o[g][c]);
+          }
+        }
+      } else {
+        for (int64_t i = 0; 2 * i < nj; ++i) {
+          const KV* row = vp + (j0 + 2 * i) * D;  // lane row of positions j0 + 2i, j0 + 2i + 1
+          for (int c = 0; c < DC; ++c) {
+            const __m512i x = _mm512_loadu_si512(row + 32 * c);
+            if constexpr (kPairs) {
+#if defined(__AVX512BF16__)
+              for (int g = 0; g < GN; ++g)
+                o[g][c] = _mm512_dpbf16_ps(o[g][c], AsBh(x), AsBh(_mm512_set1_epi32(static_cast<int>(pp[g][i]))));
+#endif
+            } else {
+              const __m512 ve = Even(x), vo = Odd(x);
+              for (int g = 0; g < GN; ++g) {
+                o[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(pf[g][2 * i]), ve, o[g][c]);
+                o[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(pf[g][2 * i + 1]), vo, o[g][c]);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  for (int g = 0; g < GN; ++g) {
+    for (int c = 0; c < DC; ++c) _mm512_storeu_ps(s.acc + g * D + 16 * c, o[g][c]);
+    s.mx[g] = m[g];
+    s.dn[g] = dn[g] + _mm512_reduce_add_ps(dnv[g]);
+  }
+}
+#endif
 
 // kD: the head dim when it is one the fast path is compiled for (64, 128), 0 otherwise.
 template <typename KV, int kD>
@@ -421,93 +540,60 @@ class Kernel {
     const int64_t D = kD ? kD : s_.D;
     const int64_t n_tok = it.t1 - it.t0;
     const int64_t ctx = start_[it.t0];
-    // bf16 pages read in place (the fast paths read 16 rows from every chunk start): queries and
-    // this step's keys are then held in q_order, this step's values and the output in out_order
-    const bool in_place = kInPlace != Order::kNatural && BS % 16 == 0;
-    const Order q_order = in_place && kInPlace == Order::kSplit ? Order::kSplit : Order::kNatural;
-    const Order out_order = in_place ? kInPlace : Order::kNatural;
-    std::vector<float> mx(n_tok * G, kNoScore), dn(n_tok * G, 0.f), acc(n_tok * G * D, 0.f), qv(n_tok * G * D);
-    std::vector<uint16_t> qb(in_place && kInPlace == Order::kPairs ? n_tok * G * D : 0);  // bf16 queries
-    std::vector<float> scratch(G * 16);
+    std::vector<float> mx(n_tok * G, kNoScore), dn(n_tok * G, 0.f), acc(n_tok * G * D, 0.f);
+    const float* q0 = q_ + ((it.t0 * KVH + it.h) * G) * D;  // token t's heads at q0 + t * KVH * G * D
+    auto q_of = [&](int64_t t) { return q0 + t * KVH * G * D; };
     auto state = [&](int64_t t) { return State{&mx[t * G], &dn[t * G], &acc[t * G * D]}; };
-    for (int64_t t = 0; t < n_tok; ++t) {
-      const float* qt = q_ + (((it.t0 + t) * KVH + it.h) * G) * D;
-      for (int64_t g = 0; g < G; ++g) Permute(q_order, &qv[(t * G + g) * D], qt + g * D, D);
-    }
-    for (size_t i = 0; i < qb.size(); ++i) qb[i] = F32ToBf16(qv[i]);
 
     // 1. the cached context, page by page
     const int32_t* table = tables_ + it.t0 * s_.P;
     const int64_t page_elems = BS * D;
     const KV* k_head = k_ + ((layer_ * KVH + it.h) * s_.NB) * page_elems;
     const KV* v_head = v_ + ((layer_ * KVH + it.h) * s_.NB) * page_elems;
-    std::vector<float> kbuf, vbuf;
-    if (!std::is_same_v<KV, float> && !in_place) {
-      kbuf.resize(page_elems);
-      vbuf.resize(page_elems);
-    }
     const int64_t n_pages = (ctx + BS - 1) / BS;
-    // Pages are scattered over the pool, so the hardware prefetcher cannot guess the next one:
-    // it is asked for (into L2) while this one is worked on. Where the AVX-512 paths read the
-    // pages (float32, bf16 widened or by pair products), its rows are asked for one at a time as
-    // this page's are scored: asking for a whole page at once, before the work, left the core
-    // waiting on that many requests (bench_cpu_attention.py --source, 2-core Sapphire Rapids VM,
-    // batch 32, spread against up front: float32 at 234 / 916 tokens 19.5 / 60.1 ms against 20.1
-    // / 64.1, bf16 pair products 12.2 / 34.4 against 13.5 / 39.2). The generic path (other head
-    // dims, pages converted to float32 first) asks for the whole next page up front.
-    // the AVX-512 rows path reads float32 pages straight from the pool (16 rows from each chunk)
-    constexpr bool kRowsF32 = std::is_same_v<KV, float> && kD > 0 && kD % 16 == 0;
+    bool done = false;
 #if defined(__AVX512F__)
-    const bool spread = in_place || (kRowsF32 && BS % 16 == 0);
-#else
-    const bool spread = false;
-#endif
-    for (int64_t p = 0; p < n_pages; ++p) {
-      const int64_t n = std::min(BS, ctx - p * BS);
-      const KV* kn = nullptr;
-      const KV* vn = nullptr;
-      if (p + 1 < n_pages) {
-        kn = k_head + static_cast<int64_t>(table[p + 1]) * page_elems;
-        vn = v_head + static_cast<int64_t>(table[p + 1]) * page_elems;
-        const int64_t bytes = std::min(BS, ctx - (p + 1) * BS) * D * static_cast<int64_t>(sizeof(KV));
-        for (int64_t b = 0; b < bytes && !spread; b += 64) {
-          __builtin_prefetch(reinterpret_cast<const char*>(kn) + b, 0, 2);
-          __builtin_prefetch(reinterpret_cast<const char*>(vn) + b, 0, 2);
-        }
-      }
-      const KV* kp_raw = k_head + static_cast<int64_t>(table[p]) * page_elems;
-      const KV* vp_raw = v_head + static_cast<int64_t>(table[p]) * page_elems;
-#if defined(__AVX512F__)
-      // spread: the first token's pass asks for the next page, a row per row it scores
-      if constexpr (kInPlace != Order::kNatural || kRowsF32) {
-        if (spread) {
+    if constexpr (kD > 0) {
+      if (BS % 16 == 0) {
+        // one token (a decode step) goes over all its pages in one pass; a prefill chunk's
+        // tokens take a few pages at a time in turn, so those pages are read from memory once
+        std::vector<uint32_t> qp(kPairs ? n_tok * G * D / 2 : 0);  // bf16 queries, as pairs
+        for (int64_t t = 0; t < static_cast<int64_t>(qp.size()) / (G * D / 2); ++t)
+          for (int64_t i = 0; i < G * D / 2; ++i)
+            qp[t * G * D / 2 + i] = F32ToBf16(q_of(t)[2 * i]) | static_cast<uint32_t>(F32ToBf16(q_of(t)[2 * i + 1])) << 16;
+        const int64_t span = n_tok == 1 ? n_pages : kSpanPages;
+        for (int64_t p0 = 0; p0 < n_pages; p0 += span) {
+          const int64_t p1 = std::min(n_pages, p0 + span);
           for (int64_t t = 0; t < n_tok; ++t) {
-            const KV* next_k = t == 0 ? kn : nullptr;
-#if defined(__AVX512BF16__)
-            if constexpr (kInPlace == Order::kPairs) {
-              AttendBf16<kD / 32>(&qb[t * G * D], G, kp_raw, vp_raw, n, state(t), next_k, vn);
-              continue;
-            }
-#endif
-            AttendAvx512<kD / 16>(&qv[t * G * D], G, kp_raw, vp_raw, n, state(t), next_k, vn);
+            ForHeadGroups<(16 / (kD / 16) < 4 ? 16 / (kD / 16) : 4)>(G, [&](auto gn, int64_t g) {
+              const State st = state(t);
+              AttendPages<kD / 16, decltype(gn)::value, KV, kPairs>(
+                  q_of(t) + g * D, kPairs ? &qp[(t * G + g) * D / 2] : nullptr, k_head, v_head, table, p0, p1, ctx, BS,
+                  State{st.mx + g, st.dn + g, st.acc + g * D}, t == 0 && g == 0);
+            });
           }
-          continue;
         }
+        done = true;
       }
+    }
 #endif
-      const float* kp;
-      const float* vp;
-      if constexpr (std::is_same_v<KV, float>) {
-        kp = kp_raw;
-        vp = vp_raw;
-      } else {
-        // whole page: the fast path reads 16 rows from each chunk start
-        for (int64_t i = 0; i < page_elems; ++i) kbuf[i] = Bf16ToF32(kp_raw[i]);
-        for (int64_t i = 0; i < page_elems; ++i) vbuf[i] = Bf16ToF32(vp_raw[i]);
-        kp = kbuf.data();
-        vp = vbuf.data();
+    if (!done) {
+      // other head dims and block sizes, or no AVX-512: the portable version, the next page
+      // asked for up front
+      std::vector<float> scratch(G * BS);
+      for (int64_t p = 0; p < n_pages; ++p) {
+        if (p + 1 < n_pages) {
+          const int64_t next = static_cast<int64_t>(table[p + 1]) * page_elems;
+          for (int64_t b = 0; b < page_elems * static_cast<int64_t>(sizeof(KV)); b += 64) {
+            __builtin_prefetch(reinterpret_cast<const char*>(k_head + next) + b, 0, 2);
+            __builtin_prefetch(reinterpret_cast<const char*>(v_head + next) + b, 0, 2);
+          }
+        }
+        const int64_t n = std::min(BS, ctx - p * BS);
+        const KV* kp = k_head + static_cast<int64_t>(table[p]) * page_elems;
+        const KV* vp = v_head + static_cast<int64_t>(table[p]) * page_elems;
+        for (int64_t t = 0; t < n_tok; ++t) AttendPage(q_of(t), G, D, kp, vp, n, BS, state(t), scratch.data());
       }
-      for (int64_t t = 0; t < n_tok; ++t) Attend(&qv[t * G * D], kp, vp, n, BS % 16 == 0, state(t), scratch.data());
     }
 
     // 2. this step's own keys of the row, up to each token: copied into contiguous rows,
@@ -516,45 +602,42 @@ class Kernel {
     const int64_t padded = (n_new + 15) / 16 * 16;
     std::vector<float> kr(padded * D, 0.f), vr(padded * D, 0.f);
     for (int64_t u = 0; u < n_new; ++u) {
-      Permute(q_order, &kr[u * D], k_new_ + ((it.row_first + u) * KVH + it.h) * D, D);
-      Permute(out_order, &vr[u * D], v_new_ + ((it.row_first + u) * KVH + it.h) * D, D);
+      std::memcpy(&kr[u * D], k_new_ + ((it.row_first + u) * KVH + it.h) * D, D * sizeof(float));
+      std::memcpy(&vr[u * D], v_new_ + ((it.row_first + u) * KVH + it.h) * D, D * sizeof(float));
     }
     for (int64_t t = 0; t < n_tok; ++t)
-      Attend(&qv[t * G * D], kr.data(), vr.data(), it.t0 + t - it.row_first + 1, true, state(t), scratch.data());
+      Attend(q_of(t), kr.data(), vr.data(), it.t0 + t - it.row_first + 1, true, state(t));
 
     // 3. normalise: every token attends at least to itself, so dn > 0
     for (int64_t t = 0; t < n_tok; ++t) {
       float* out = o_ + ((it.t0 + t) * KVH + it.h) * G * D;
       for (int64_t g = 0; g < G; ++g) {
-        UnpermuteScaled(out_order, out + g * D, &acc[(t * G + g) * D], 1.f / dn[t * G + g], D);
+        const float scale = 1.f / dn[t * G + g];
+        for (int64_t d = 0; d < D; ++d) out[g * D + d] = acc[(t * G + g) * D + d] * scale;
       }
     }
   }
 
  private:
-  // How bf16 pages are read in place, where the fast path covers the head dim: kPairs with
-  // AVX512_BF16's pair products, kSplit by widening to f32; kNatural: they are not.
+  // whether a bf16 pool is read by pair products (AVX512_BF16) rather than widened
 #if defined(__AVX512BF16__)
-  static constexpr Order kBf16Order = Order::kPairs;
+  static constexpr bool kPairs = std::is_same_v<KV, uint16_t>;
 #else
-  static constexpr Order kBf16Order = Order::kSplit;
+  static constexpr bool kPairs = false;
 #endif
-#if defined(__AVX512F__)
-  static constexpr Order kInPlace =
-      std::is_same_v<KV, uint16_t> && kD > 0 && kD % 32 == 0 ? kBf16Order : Order::kNatural;
-#else
-  static constexpr Order kInPlace = Order::kNatural;
-#endif
+  // pages a prefill chunk's tokens take in turn (4 of 16 positions: 16 KB of bf16 K and V at
+  // head dim 64, which stay in L1/L2 while the chunk's 8 tokens go over them)
+  static constexpr int64_t kSpanPages = 4;
 
   // rows_padded: 16 rows can be read from every chunk start
-  void Attend(const float* q, const float* k, const float* v, int64_t n, bool rows_padded, State s,
-              float* scratch) const {
+  void Attend(const float* q, const float* k, const float* v, int64_t n, bool rows_padded, State s) const {
 #if defined(__AVX512F__)
     if constexpr (kD % 16 == 0 && kD > 0) {
       if (rows_padded) return AttendAvx512<kD / 16>(q, s_.G, k, v, n, s);
     }
 #endif
-    AttendGeneric(q, s_.G, kD ? kD : s_.D, k, v, n, s, scratch);
+    std::vector<float> scratch(s_.G * 16);
+    AttendGeneric(q, s_.G, kD ? kD : s_.D, k, v, n, s, scratch.data());
   }
 
   Shapes s_;
@@ -568,6 +651,28 @@ class Kernel {
   const int32_t* start_;
   float* o_;
 };
+
+// The step's own K and V into the pool's layer at their slots (after every item has read it):
+// what `pagedjax.attention.cache.write_kv` does for the pools of the other backends, in this
+// kernel's page layout. Slot -1 (padding) writes nothing.
+template <typename KV>
+void WritePool(const Shapes& s, int64_t layer, const float* k_new, const float* v_new, const int32_t* slots, KV* k,
+               KV* v) {
+  const int64_t W = kLane<KV>, wv = ValueLane<KV>(s.BS);
+  for (int64_t t = 0; t < s.T; ++t) {
+    if (slots[t] < 0) continue;
+    const int64_t block = slots[t] / s.BS, o = slots[t] % s.BS;
+    for (int64_t h = 0; h < s.KVH; ++h) {
+      const int64_t base = ((layer * s.KVH + h) * s.NB + block) * s.BS * s.D;
+      const float* kt = k_new + (t * s.KVH + h) * s.D;
+      const float* vt = v_new + (t * s.KVH + h) * s.D;
+      for (int64_t d = 0; d < s.D; ++d) {
+        Store(kt[d], k + base + KIndex(o, d, s.BS, W));
+        Store(vt[d], v + base + VIndex(o, d, s.D, wv));
+      }
+    }
+  }
+}
 
 template <typename KV>
 std::function<void(const Item&)> MakeRun(const Shapes& s, const float* q, const float* k_new, const float* v_new,
@@ -597,10 +702,12 @@ struct Shared {
   }
 };
 
-ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,
+// slots (or null): each token's flat slot in the pool, -1 for none; the step's K/V are then
+// written there, into k_out and v_out (the pool's buffers, aliased), after every item has read.
+ffi::Error Call(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,
                 ffi::Buffer<ffi::F32> v_new, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> layer_buf,
                 ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> seq, ffi::Buffer<ffi::S32> start,
-                ffi::ResultBuffer<ffi::F32> o) {
+                ffi::ResultBuffer<ffi::F32> o, const ffi::Buffer<ffi::S32>* slots, void* k_out, void* v_out) {
   auto qd = q.dimensions();
   auto kd = k.dimensions();
   auto nd = k_new.dimensions();
@@ -632,6 +739,16 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::
   float* op = o->typed_data();
   const int64_t tok_elems = s.KVH * s.G * s.D;
 
+  if (slots != nullptr) {
+    if (slots->element_count() != static_cast<size_t>(s.T))
+      return ffi::Error::InvalidArgument("cpu attention: slots must be [T], one per token");
+    const int32_t* sl = slots->typed_data();
+    for (int64_t t = 0; t < s.T; ++t)
+      if (sl[t] < -1 || sl[t] >= s.NB * s.BS)
+        return ffi::Error::InvalidArgument("cpu attention: token " + std::to_string(t) + "'s slot " +
+                                           std::to_string(sl[t]) + " outside the pool [0, " +
+                                           std::to_string(s.NB * s.BS) + ") (-1: none)");
+  }
   // Work items: runs of tokens of one row, split into groups, times the kv heads. Everything
   // the kernel will index is checked here first.
   auto shared = std::make_shared<Shared>();
@@ -661,7 +778,6 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::
       for (int64_t h = 0; h < s.KVH; ++h) shared->items.push_back({g0, std::min(end, g0 + kGroupTokens), t, h});
     t = end;
   }
-  if (shared->items.empty()) return ffi::Error::Success();
   // the most work first, so the last items to finish are short ones
   auto cost = [&](const Item& a) { return (st[a.t0] + a.t1 - a.row_first) * (a.t1 - a.t0); };
   std::stable_sort(shared->items.begin(), shared->items.end(),
@@ -681,21 +797,38 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::
   shared->Work();
   // items other threads claimed may still be running
   while (shared->done.load(std::memory_order_acquire) < n_items) std::this_thread::yield();
+  if (slots != nullptr) {
+    if (k.element_type() == ffi::DataType::F32)
+      WritePool(s, layer, k_new.typed_data(), v_new.typed_data(), slots->typed_data(), static_cast<float*>(k_out),
+                static_cast<float*>(v_out));
+    else
+      WritePool(s, layer, k_new.typed_data(), v_new.typed_data(), slots->typed_data(), static_cast<uint16_t*>(k_out),
+                static_cast<uint16_t*>(v_out));
+  }
   return ffi::Error::Success();
 }
 
-// The same, handing the pool back as two more results that alias its operands (the kernel never
-// writes them): a step that writes its K/V into the pool after the layers then depends on every
-// layer's read, and XLA updates the pool in place instead of copying it to keep those reads safe.
-ffi::Error ImplPassingPool(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,
-                           ffi::Buffer<ffi::F32> v_new, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                           ffi::Buffer<ffi::S32> layer_buf, ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> seq,
-                           ffi::Buffer<ffi::S32> start, ffi::ResultBuffer<ffi::F32> o, ffi::Result<ffi::AnyBuffer>,
-                           ffi::Result<ffi::AnyBuffer>) {
-  return Impl(pool, q, k_new, v_new, k, v, layer_buf, tables, seq, start, o);
+ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,
+                ffi::Buffer<ffi::F32> v_new, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> layer_buf,
+                ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> seq, ffi::Buffer<ffi::S32> start,
+                ffi::ResultBuffer<ffi::F32> o) {
+  return Call(pool, q, k_new, v_new, k, v, layer_buf, tables, seq, start, o, nullptr, nullptr, nullptr);
 }
 
-auto Operands() {
+// The same, writing the step's K/V into the pool, which it hands back as two more results that
+// alias its operands: a layer's write then comes after its reads by construction, the next
+// layer's call reads what it wrote, and XLA updates the donated pool in place.
+ffi::Error ImplWriting(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,
+                       ffi::Buffer<ffi::F32> v_new, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> layer_buf,
+                       ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> seq, ffi::Buffer<ffi::S32> start,
+                       ffi::Buffer<ffi::S32> slots, ffi::ResultBuffer<ffi::F32> o, ffi::Result<ffi::AnyBuffer> k_out,
+                       ffi::Result<ffi::AnyBuffer> v_out) {
+  return Call(pool, q, k_new, v_new, k, v, layer_buf, tables, seq, start, o, &slots, k_out->untyped_data(),
+              v_out->untyped_data());
+}
+
+// the operands both handlers take, in order
+auto Inputs() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::ThreadPool>()
       .Arg<ffi::Buffer<ffi::F32>>()   // q
@@ -706,12 +839,15 @@ auto Operands() {
       .Arg<ffi::Buffer<ffi::S32>>()   // layer
       .Arg<ffi::Buffer<ffi::S32>>()   // tables
       .Arg<ffi::Buffer<ffi::S32>>()   // seq
-      .Arg<ffi::Buffer<ffi::S32>>()   // start
-      .Ret<ffi::Buffer<ffi::F32>>();  // o
+      .Arg<ffi::Buffer<ffi::S32>>();  // start
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxCpuAttention, Impl, Operands());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxCpuAttentionPassingPool, ImplPassingPool,
-                              Operands().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());  // k, v pool
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxCpuAttention, Impl, Inputs().Ret<ffi::Buffer<ffi::F32>>() /* o */);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxCpuAttentionWriting, ImplWriting,
+                              Inputs()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slots
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // o
+                                  .Ret<ffi::AnyBuffer>()         // k pool
+                                  .Ret<ffi::AnyBuffer>());       // v pool
