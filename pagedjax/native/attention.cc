@@ -466,8 +466,10 @@ inline void AttendPages(const float* __restrict q, const uint32_t* __restrict qp
         const __m512 x = _mm512_mask_blend_ps(live, _mm512_set1_ps(kNoScore), _mm512_add_ps(sc[g][0], sc[g][1]));
         if (_mm512_cmp_ps_mask(x, _mm512_set1_ps(m[g]), _CMP_GT_OQ)) {
           const float m_new = std::max(m[g], _mm512_reduce_max_ps(x));
-          const float alpha = std::exp(m[g] - m_new);  // 0 on the first positions
-          const __m512 al = _mm512_set1_ps(alpha);
+          // exp in vector registers: a call to the scalar exp here would make the compiler keep
+          // the outputs in memory around it (~1e-38 rather than 0 on the first positions)
+          const __m512 al = Exp512(_mm512_set1_ps(m[g] - m_new));
+          const float alpha = _mm512_cvtss_f32(al);
           for (int c = 0; c < DC; ++c) o[g][c] = _mm512_mul_ps(o[g][c], al);
           dnv[g] = _mm512_mul_ps(dnv[g], al);
           dn[g] *= alpha;
