@@ -8,7 +8,10 @@ share tiles with other rows (its per-token branch), padding rows and tokens, blo
 to 32 and contexts ending on and off page and chunk edges. The native kernel is also run with
 head dims 64 and 128 (its AVX-512 paths, where the CPU has them) and a bfloat16 pool, read in place (with
 AVX512_BF16's bf16 pair products where the CPU has them, and then also with a build that widens
-pages to float32, as CPUs without them do)."""
+pages to float32, as CPUs without them do), and built without AVX-512 (the portable loops). The
+native kernel keeps its pool's pages in its own layout and writes the step's K/V into it itself:
+pools built here position-major are rearranged first (`on_pages`), and its writes are checked
+bit for bit against the other backends' write_kv."""
 
 from __future__ import annotations
 
