@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pagedjax import parallel
+from pagedjax import native, parallel
 from pagedjax.attention import init_kv_cache, make_attention, resolve_backend
 from pagedjax.config import EngineConfig
 from pagedjax.logits_processors import apply_logits_processors
@@ -40,7 +40,7 @@ from pagedjax.model.llama import ModelConfig, compute_logits, forward
 from pagedjax.model.step_weights import StepWeights
 from pagedjax.model.weights import check_params_like
 from pagedjax.pallas.common import DeviceLimits, device_limits
-from pagedjax.sampling import greedy, logprob_and_rank, resample, sample_processed
+from pagedjax.sampling import finite_greedy, logprob_and_rank, resample, sample_processed
 from pagedjax.scheduler.batch import SamplingInputs, StepInput, step_fields
 from pagedjax.scheduler.logits_inputs import LogitsInputs
 from pagedjax.scheduler.output import SchedulerOutput
@@ -75,9 +75,10 @@ def _keep_pool_sharding(kv_cache, mesh):
     return jax.lax.with_sharding_constraint(kv_cache, (parallel.kv_sharding(mesh),) * len(kv_cache))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "attention", "logits_hook", "mesh", "unroll"),
+@functools.partial(jax.jit, static_argnames=("cfg", "attention", "logits_hook", "mesh", "unroll", "native_greedy"),
                    donate_argnums=(1,))
-def _step_fn(params, kv_cache, step: StepInput, *, cfg, attention, logits_hook, mesh=None, unroll=False):
+def _step_fn(params, kv_cache, step: StepInput, *, cfg, attention, logits_hook, mesh=None, unroll=False,
+             native_greedy=False):
     _trace()
     # tokens the previous step sampled, which the host did not have when it packed this one
     token_ids = jnp.where(step.token_source >= 0, step.prev_tokens[jnp.maximum(step.token_source, 0)], step.token_ids)
@@ -89,9 +90,7 @@ def _step_fn(params, kv_cache, step: StepInput, *, cfg, attention, logits_hook, 
         logits = jax.lax.with_sharding_constraint(logits, parallel.replicated(mesh))
     if logits_hook is not None:
         logits = logits_hook(logits, step)
-    finite = jnp.all(jnp.isfinite(logits), axis=-1)
-    safe = jnp.where(finite[:, None], logits, 0.0)
-    tokens, logprob, lse, top_ids, top_lps = greedy(safe)
+    safe, finite, (tokens, logprob, lse, top_ids, top_lps) = finite_greedy(logits, native_kernel=native_greedy)
     # the (masked) logits stay on the device for `resample_step`, `process_step` and
     # `top_logprobs_step`, which run only when a row samples, uses logits processors or asks for
     # top logprobs, and the hidden states for `prompt_logprobs_step`; a greedy token's rank is 1
@@ -184,8 +183,9 @@ def make_step(cfg: ModelConfig, *, backend: str, logits_hook=None, mesh=None, li
     compiled for (default: the local one); `pagedjax.aot` passes a named TPU's or GPU's to compile
     the step for it from a CPU. unroll: the layers without a loop (see `forward`)."""
     attention = make_attention(backend, limits=limits or device_limits(), mesh=mesh)
+    native_greedy = backend == "native" and mesh is None and native.greedy_available()
     return functools.partial(_step_fn, cfg=cfg, attention=attention, logits_hook=logits_hook, mesh=mesh,
-                             unroll=unroll)
+                             unroll=unroll, native_greedy=native_greedy)
 
 
 @dataclasses.dataclass

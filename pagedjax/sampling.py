@@ -143,6 +143,24 @@ def greedy(logits: jax.Array, num_logprobs: int = 0):
     return tokens, token_logprob, lse[:, 0], top_ids.astype(jnp.int32), top_lp
 
 
+def finite_greedy(logits: jax.Array, *, native_kernel: bool = False):
+    """The step's choice from its logits f32[S, V]: (safe, finite, `greedy(safe)`), where a row
+    with any non-finite logit is zeroed in `safe` (`finite` False: the engine ends that request
+    with an error). native_kernel: the same from pagedjax.native.greedy, one pass per row on a
+    CPU (`safe`, `finite` and the token exactly; the logprob and logsumexp summed in double, so
+    within float32 rounding of exact where XLA's float32 sums drift ~1e-5), where XLA's fusions
+    over the whole [S, V] cost a step ~4 ms at [32, 49152] on 2 cores."""
+    if native_kernel:
+        from pagedjax import native
+
+        safe, tokens, logprob, lse, finite = native.greedy(logits)
+        S = logits.shape[0]
+        return safe, finite, (tokens, logprob, lse, jnp.zeros((S, 0), jnp.int32), jnp.zeros((S, 0), jnp.float32))
+    finite = jnp.all(jnp.isfinite(logits), axis=-1)
+    safe = jnp.where(finite[:, None], logits, 0.0)
+    return safe, finite, greedy(safe)
+
+
 def resample(logits: jax.Array, lse: jax.Array, greedy_tokens: jax.Array, temperature: jax.Array,
              top_k: jax.Array, top_p: jax.Array, min_p: jax.Array, seeds: jax.Array, positions: jax.Array):
     """Rows with temperature > 0 sampled (top-k, top-p, min-p, seeded), the others keep their

@@ -2,8 +2,9 @@
 reads the KV pool.
 
 B decode tokens (one per sequence, every sequence at --context tokens of cached context) attend
-through `pagedjax.native.attention` once per layer, the layers taken in turn so that each call
-reads its own slice of the pool as the model's step does. The default shape is SmolLM2-135M's
+through `pagedjax.native.attention` once per layer and write their own K/V into the pool after it,
+the layers taken in turn so that each call reads and writes its own slice of the pool as the
+model's step does. The default shape is SmolLM2-135M's
 (30 layers, 3 kv heads of 3 query heads, head dim 64, 16-token blocks). The block tables come
 three ways:
 
@@ -31,6 +32,7 @@ loops CPUs without AVX-512 run).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -48,7 +50,7 @@ TABLES = ("sequential", "scattered", "cached")
 def make_step(args, tables_kind: str, rng, target: str = native.TARGET):
     L, KVH, G, D, BS, B, C = (args.layers, args.kv_heads, args.groups, args.head_dim, args.block_size,
                               args.batch, args.context)
-    P = -(-C // BS)
+    P = C // BS + 1  # the cached positions and the step's own, at position C
     num_blocks = B * P + 1  # block 0 is the null block
     dtype = jnp.dtype(args.kv_cache_dtype)
 
@@ -62,22 +64,25 @@ def make_step(args, tables_kind: str, rng, target: str = native.TARGET):
         blocks = rng.permutation(blocks)
     tables = blocks[:P][None].repeat(B, 0) if tables_kind == "cached" else blocks.reshape(B, P)
     tables = jnp.asarray(tables, jnp.int32)
-    # the step's own token sits at position C, after the C cached ones; it is not in the pool
-    attn = AttentionMetadata(jnp.full(B, -1, jnp.int32), tables, jnp.full(B, C + 1, jnp.int32),
-                             jnp.arange(B + 1, dtype=jnp.int32), jnp.int32(B))
+    # the step's own token sits at position C, after the C cached ones; each call writes its K/V
+    # there after its reads, as the engine's step does (not with "cached" tables: every row's
+    # would go to one slot)
+    slots = jnp.full(B, -1, jnp.int32) if tables_kind == "cached" else tables[:, C // BS] * BS + C % BS
+    attn = AttentionMetadata(slots, tables, jnp.full(B, C + 1, jnp.int32), jnp.arange(B + 1, dtype=jnp.int32),
+                             jnp.int32(B))
     q = jnp.asarray(rng.standard_normal((B, KVH * G, D)), jnp.float32)
     kv = jnp.asarray(rng.standard_normal((B, KVH, D)), jnp.float32)
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=(1, 2))  # the pool updated in place, as in the engine
     def layer(layer_index, k_pool, v_pool):
         layout = token_layout(attn, B)
         qg = q.reshape(B, KVH, G, D) * D ** -0.5
         return native.attention(qg, kv, kv, k_pool, v_pool, layer_index, attn.block_tables[layout.seq], layout,
-                                target=target)
+                                target=target, slot_mapping=attn.slot_mapping)
 
     def step():
         for i in range(L):
-            out = layer(jnp.int32(i), *pool)
+            out, pool[:] = layer(jnp.int32(i), *pool)
         out.block_until_ready()
 
     return step

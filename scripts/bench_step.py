@@ -7,7 +7,9 @@ batch: embeddings, every projection, the MLP and the output head, no attention, 
 no sampling, no host work. The ratio full / matmul-only says what attention, KV writes,
 sampling and host work add on top of the unavoidable part. On the CPU path it also times the
 jitted forward alone at the same batch and context, with and without the attention over the
-cached context, to say how much of the difference that attention is.
+cached context, to say how much of the difference that attention is; and where the step chooses
+its greedy tokens with the native kernel, the device step alone with that kernel and with XLA's
+ops, in turn.
 
     python scripts/bench_step.py [--model smollm2-135m] [--batch 1 8 32 64] [--context 200]
 
@@ -85,8 +87,11 @@ class NoContext(Attention):
     def writes_kv(self):
         return self.inner.writes_kv
 
-    def plan(self, meta, num_tokens):
-        layout, *rest = self.inner.plan(meta, num_tokens)
+    def applies_rope(self, dtype):
+        return self.inner.applies_rope(dtype)
+
+    def plan(self, meta, num_tokens, rope=None):
+        layout, *rest = self.inner.plan(meta, num_tokens, rope)
         return layout._replace(start=jnp.zeros_like(layout.start)), *rest
 
     def __call__(self, q, k, v, kv_cache, layer, plan):
@@ -189,16 +194,13 @@ def time_processors(eng, live, rounds=PROCESSOR_ROUNDS, steps=PROCESSOR_TIMED):
     return {name: float(np.median(t)) * 1e3 for name, t in times.items()}
 
 
-def time_hidden_output(eng, B: int, n: int):
-    """The device step as the engine runs it (returning the hidden states, for prompt logprobs)
-    against the same step without that output (XLA drops what is not returned), on the decode
-    bucket of B rows, timed in turn: (with, without) in ms."""
+def time_device_steps(eng, B: int, n: int, steps):
+    """Jitted steps of the engine's signature on the decode bucket of B rows (padding inputs, the
+    logits of every row still computed and chosen from), timed in turn: ms each."""
     T = next(t for t in eng.config.token_buckets if t >= B)
     S = eng.packer.rows_for(T)
     P = max(eng.config.page_buckets)
-    full = make_step(eng.model_config, backend=eng.backend)
-    lean = jax.jit(lambda p, kv, x: full(p, kv, x)[:3], donate_argnums=(1,))
-    kv = {"pool": init_kv_cache(eng.model_config, 64, eng.config.block_size, eng.dtype)}
+    kv = {"pool": init_kv_cache(eng.model_config, 64, eng.config.block_size, eng.runner.kv_storage_dtype)}
     inputs = StepInput.padding(T, S, P)
     inputs.token_ids[:] = np.arange(T) % eng.model_config.vocab_size
 
@@ -210,8 +212,25 @@ def time_hidden_output(eng, B: int, n: int):
         run()
         return run
 
-    with_hidden, without = timed_in_turn([runner(full), runner(lean)], n)
-    return with_hidden * 1e3, without * 1e3
+    return [t * 1e3 for t in timed_in_turn([runner(fn) for fn in steps], n)]
+
+
+def time_hidden_output(eng, B: int, n: int):
+    """The device step as the engine runs it (returning the hidden states, for prompt logprobs)
+    against the same step without that output (XLA drops what is not returned): (with, without) ms."""
+    full = make_step(eng.model_config, backend=eng.backend)
+    lean = jax.jit(lambda p, kv, x: full(p, kv, x)[:3], donate_argnums=(1,))
+    return tuple(time_device_steps(eng, B, n, [full, lean]))
+
+
+def time_greedy_choice(eng, B: int, n: int):
+    """The device step with the greedy tokens chosen by the native kernel (pagedjax.native.greedy)
+    against XLA's ops, in turn: (native, XLA) ms; None where the step does not use the kernel."""
+    step = make_step(eng.model_config, backend=eng.backend)
+    if not step.keywords.get("native_greedy"):
+        return None
+    xla = functools.partial(step.func, **{**step.keywords, "native_greedy": False})
+    return tuple(time_device_steps(eng, B, n, [step, xla]))
 
 
 def main() -> int:
@@ -293,16 +312,21 @@ def main() -> int:
             procs["device_step_ms"], procs["device_step_without_hidden_ms"] = hidden
             print(f"           device step alone: {hidden[0]:.1f} ms, without the hidden-state output "
                   f"{hidden[1]:.1f} ms ({hidden[0] / hidden[1] - 1:+.1%})")
+        greedy_ms = time_greedy_choice(eng, B, 3 * args.steps)
         eng.abort_request([f"b{B}-{i}" for i in range(B)])
         row = {"processors_step_ms": procs, "batch": B, "prompt": args.context, "mean_context_after": context, "step_ms": full * 1e3, "matmul_only_ms": mm * 1e3,
                "ratio": full / mm, "decode_tok_s": B / full, "new_compilations": decode_compilations,
-               "forward_ms": fwd and fwd * 1e3, "forward_no_context_ms": fwd_noctx and fwd_noctx * 1e3}
+               "forward_ms": fwd and fwd * 1e3, "forward_no_context_ms": fwd_noctx and fwd_noctx * 1e3,
+               "device_step_greedy_native_xla_ms": greedy_ms}
         rows.append(row)
         print(f"batch {B:>3} (mean context {context:.0f}): step {full * 1e3:7.1f} ms  matmul-only {mm * 1e3:7.1f} ms  ratio {full / mm:4.2f}  "
               f"decode {B / full:7.1f} tok/s  compilations during decode: {row['new_compilations']}")
         if fwd is not None:
             print(f"           forward alone {fwd * 1e3:7.1f} ms, without the context attention "
                   f"{fwd_noctx * 1e3:7.1f} ms: reading the cached context costs {(fwd - fwd_noctx) * 1e3:.1f} ms")
+        if greedy_ms:
+            print(f"           device step alone (padding rows): greedy tokens chosen natively {greedy_ms[0]:.1f} ms, "
+                  f"by XLA's ops {greedy_ms[1]:.1f} ms")
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:

@@ -8,10 +8,11 @@ share tiles with other rows (its per-token branch), padding rows and tokens, blo
 to 32 and contexts ending on and off page and chunk edges. The native kernel is also run with
 head dims 64 and 128 (its AVX-512 paths, where the CPU has them) and a bfloat16 pool, read in place (with
 AVX512_BF16's bf16 pair products where the CPU has them, and then also with a build that widens
-pages to float32, as CPUs without them do), and built without AVX-512 (the portable loops). The
+pages to float32, as CPUs without them do), and built without AVX-512 (its AVX2 loops and the portable ones). The
 native kernel keeps its pool's pages in its own layout and writes the step's K/V into it itself:
 pools built here position-major are rearranged first (`on_pages`), and its writes are checked
-bit for bit against the other backends' write_kv."""
+bit for bit against the other backends' write_kv; given q and k before the rotary embedding, it
+rotates them itself as the model's apply_rope does."""
 
 from __future__ import annotations
 
@@ -191,17 +192,19 @@ def test_native_widened_bf16_path_on_a_cpu_with_pair_products(case, D, groups):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_native_portable_path_without_avx512(dtype):
-    """CPUs without AVX-512 (AVX2 ones) take the portable loops over the same page layout: the
-    kernel built with -mno-avx512f matches the reference at float32 tolerance, head dim 64, on a
-    ragged step with a prefill chunk and decodes."""
+@pytest.mark.parametrize("D,block_size", [(64, 16), (128, 32), (64, 5)])
+def test_native_portable_path_without_avx512(dtype, D, block_size):
+    """CPUs without AVX-512 take the AVX2 loops (where the CPU has AVX2 and FMA: head dims 64 and
+    128, blocks a multiple of 16) or the portable ones (other blocks) over the same page layout: the
+    kernel built with -mno-avx512f matches the reference at float32 tolerance on a ragged step
+    with a prefill chunk and decodes."""
     require_native()
     attention = functools.partial(native.attention, target=native.register_source(extra_flags=("-mno-avx512f",)))
     rows = CASES["mixed step"]
     rng = np.random.default_rng(11)
     T = -(-sum(n for _, n in rows) // 8) * 8 + 8
-    P = -(-max(c + n for c, n in rows) // 16) + 1
-    pool, q, k, v, attn = make_batch(rng, rows, 16, T, len(rows) + 1, P, (len(rows) + 1) * P + 2, 64)
+    P = -(-max(c + n for c, n in rows) // block_size) + 1
+    pool, q, k, v, attn = make_batch(rng, rows, block_size, T, len(rows) + 1, P, (len(rows) + 1) * P + 2, D)
     pool = tuple(c.astype(dtype) for c in pool)
     got, valid = cpu_path(on_pages(attention))(q, k, v, pool, attn)
     want = reference(q, k, v, pool, attn)
@@ -268,6 +271,47 @@ def test_native_writes_the_steps_kv_into_its_page_layout(block_size, dtype):
     assert np.all(np.isfinite(np.asarray(written[0], np.float32)))
     for got, orig in zip(native.from_pages(*native.to_pages(*pool)), pool):  # the layout undone
         assert np.array_equal(bits(got), bits(orig))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("D", [64, 16])
+def test_native_applies_the_rotary_embedding_itself(D, dtype):
+    """With rope=(cos, sin, scale) the call takes q and k before the rotary embedding: its output
+    and the keys it writes are those of the call given them rotated (apply_rope) and q scaled, to
+    float32 rounding (bf16 pool: the written keys to one bf16 rounding); values as they come."""
+    from pagedjax.model.llama import ModelConfig, apply_rope, rope_cos_sin
+
+    require_native()
+    rows = CASES["mixed step"]
+    rng = np.random.default_rng(D)
+    T, S, BS = 64, len(rows) + 1, 16
+    P = -(-max(c + n for c, n in rows) // BS) + 1
+    pool, q, k, v, attn = make_batch(rng, rows, BS, T, S, P, S * P + 2, D)
+    pool = tuple(c.astype(dtype) for c in pool)
+    cfg = ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=KVH * G,
+                      num_kv_heads=KVH, head_dim=D, rope_theta=10000.0)
+
+    @jax.jit
+    def run(pool):
+        layout = token_layout(attn, T)
+        cos, sin = rope_cos_sin(cfg, layout.pos, jnp.float32)
+        common = (*native.to_pages(*pool), jnp.int32(0), attn.block_tables[layout.seq], layout)
+        fused = native.attention(q.reshape(T, KVH, G, D), k, v, *common, slot_mapping=attn.slot_mapping,
+                                 rope=(cos, sin, D ** -0.5))
+        qg = apply_rope(q, cos, sin).reshape(T, KVH, G, D) * D ** -0.5
+        plain = native.attention(qg, apply_rope(k, cos, sin), v, *common, slot_mapping=attn.slot_mapping)
+        return fused, plain
+
+    (o, written), (want_o, want_written) = run(pool)
+    np.testing.assert_allclose(np.asarray(o), np.asarray(want_o), rtol=1e-4, atol=1e-4)
+    as_f32 = lambda x: np.asarray(jax.lax.bitcast_convert_type(x, jnp.bfloat16).astype(jnp.float32) if x.dtype == jnp.uint16 else x)  # noqa: E731
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2
+    for got, want in zip(written, want_written):
+        np.testing.assert_allclose(as_f32(got), as_f32(want), rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="rope needs slot_mapping"):
+        native.attention(q.reshape(T, KVH, G, D), k, v, *native.to_pages(*pool), jnp.int32(0),
+                         attn.block_tables[token_layout(attn, T).seq], token_layout(attn, T),
+                         rope=(jnp.ones((T, D)), jnp.zeros((T, D)), 1.0))
 
 
 def test_native_rejects_a_slot_outside_the_pool():

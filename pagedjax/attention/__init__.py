@@ -9,7 +9,10 @@ model's dtype; kv_cache is the whole stacked pool `(k_cache, v_cache)`, each
 [L, KVH, num_blocks, block_size, D] (pagedjax.attention.cache); layer is the layer's index (an
 int32 scalar: traced inside the scanned layer loop, a constant when the layers are unstacked);
 meta is the step's AttentionMetadata. o is [T, H, D] in q's dtype, with zeros for padding
-tokens. A backend object is hashable: the jitted step takes it as a static argument.
+tokens. A backend object is hashable: the jitted step takes it as a static argument. A backend
+whose `applies_rope(dtype)` is true for the model's dtype takes q and k *before* the rotary
+embedding and applies it itself, given `plan(meta, num_tokens, rope=(cos, sin))` ("native", for
+float32 models: two XLA ops a layer fewer).
 
 Two ways to get a step's own K/V into the attention, one per kind of backend:
   writes_kv = True   ("pallas", "jnp"): each layer scatters its K/V into its layer of the pool,
@@ -21,7 +24,7 @@ Two ways to get a step's own K/V into the attention, one per kind of backend:
                      model writes every layer's K/V once after the loop. This is the CPU's way
                      (see pagedjax.attention.xla for why). "native" attends the same way and
                      then writes its layer's K/V itself, in the same C++ call (aliased buffers),
-                     after every read: it is a writes_kv backend, whose pool XLA never copies.
+                     each row's after its reads: a writes_kv backend, whose pool XLA never copies.
 
 Backends:
   "pallas"     the ragged Pallas kernel (pagedjax.pallas), tiled for the device `limits` describe;
@@ -62,12 +65,19 @@ class Attention:
     # whether the step should run the layers over unstacked weights (pagedjax.model.llama.unstack_layers)
     unstacked_layers: bool = False
 
+    def applies_rope(self, dtype) -> bool:
+        """Whether, for a model of `dtype`, this backend takes q and k before the rotary embedding
+        and applies it itself: the model then passes `plan(meta, T, rope=(cos, sin))` and
+        unrotated projections (the keys it writes are rotated all the same)."""
+        return False
+
     def pool_dtype(self, dtype):
         """The dtype the pool is stored in for values of `dtype` (see cache.values_dtype)."""
         return dtype
 
-    def plan(self, meta: AttentionMetadata, num_tokens: int) -> Any:
-        """What every layer's call needs beyond `meta`, derived once a step."""
+    def plan(self, meta: AttentionMetadata, num_tokens: int, rope: Any = None) -> Any:
+        """What every layer's call needs beyond `meta`, derived once a step (rope: see
+        `applies_rope`)."""
         return meta
 
     def __call__(self, q, k, v, kv_cache, layer, plan):
@@ -133,7 +143,7 @@ class _Split(Attention):
 
     writes_kv = False
 
-    def plan(self, meta, num_tokens):
+    def plan(self, meta, num_tokens, rope=None):
         layout = token_layout(meta, num_tokens)
         return layout, meta.block_tables[layout.seq]          # each token's row's table [T, P]
 
@@ -177,10 +187,27 @@ class NativeAttention(_Split):
         # and XLA then never converts the pool
         return jnp.uint16 if jnp.dtype(dtype) == jnp.bfloat16 else dtype
 
-    def plan(self, meta, num_tokens):
-        return (*super().plan(meta, num_tokens), meta.slot_mapping)
+    def applies_rope(self, dtype):
+        # a float32 model's rotary embedding in the kernel (two XLA fusions a layer fewer); a
+        # bfloat16 model's stays XLA's, rounded to bfloat16 as transformers rounds it
+        return jnp.dtype(dtype) == jnp.float32
 
-    def split(self, qg, k, v, k_cache, v_cache, layer, tables, layout, slots):
+    def plan(self, meta, num_tokens, rope=None):
+        return (*super().plan(meta, num_tokens), meta.slot_mapping, rope)
+
+    def __call__(self, q, k, v, kv_cache, layer, plan):
+        from pagedjax import native
+
+        layout, tables, slots, rope = plan
+        if rope is None:
+            return super().__call__(q, k, v, kv_cache, layer, plan)
+        T, H, D = q.shape
+        qg = q.reshape(T, k.shape[1], H // k.shape[1], D)   # rotated and scaled by the kernel
+        o, kv_cache = native.attention(qg, k, v, kv_cache[0], kv_cache[1], layer, tables, layout, slot_mapping=slots,
+                                       rope=(*rope, D ** -0.5))
+        return o.astype(q.dtype), kv_cache
+
+    def split(self, qg, k, v, k_cache, v_cache, layer, tables, layout, slots, rope=None):
         from pagedjax import native
 
         return native.attention(qg, k, v, k_cache, v_cache, layer, tables, layout, slot_mapping=slots)

@@ -255,15 +255,15 @@ def linear(x: jax.Array, w: jax.Array, lp: Mapping[str, jax.Array], bias: str, *
 
 
 def qkv(cfg: ModelConfig, lp: Mapping[str, jax.Array], x: jax.Array, cos: jax.Array, sin: jax.Array,
-        *, out_in: bool = False):
-    """A layer's q [T, H, D] and k, v [T, KVH, D] (rotary embeddings applied) from the residual x.
-    out_in: the layer's weights are `[out, in]` (one layer of `unstack_layers`)."""
+        *, out_in: bool = False, rope: bool = True):
+    """A layer's q [T, H, D] and k, v [T, KVH, D] (rotary embeddings applied, unless not `rope`)
+    from the residual x. out_in: the layer's weights are `[out, in]` (one layer of `unstack_layers`)."""
     T = x.shape[0]
     h = rms_norm(x, lp["input_layernorm"], cfg.rms_norm_eps)
     q = linear(h, lp["q_proj"], lp, "q_bias", out_in=out_in).reshape(T, cfg.num_heads, cfg.head_dim)
     k = linear(h, lp["k_proj"], lp, "k_bias", out_in=out_in).reshape(T, cfg.num_kv_heads, cfg.head_dim)
     v = linear(h, lp["v_proj"], lp, "v_bias", out_in=out_in).reshape(T, cfg.num_kv_heads, cfg.head_dim)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    return (apply_rope(q, cos, sin), apply_rope(k, cos, sin), v) if rope else (q, k, v)
 
 
 def attn_out_and_mlp(cfg: ModelConfig, lp: Mapping[str, jax.Array], x: jax.Array, o: jax.Array,
@@ -300,12 +300,14 @@ def forward(params: Mapping[str, Any], cfg: ModelConfig, token_ids: jax.Array, p
     dtype = params["embed_tokens"].dtype
     cos, sin = rope_cos_sin(cfg, positions, dtype)
     x = params["embed_tokens"][token_ids]
-    plan = attention.plan(meta, token_ids.shape[0])
+    # a backend that applies the rotary embedding itself gets it through the plan
+    fused_rope = attention.applies_rope(dtype)
+    plan = attention.plan(meta, token_ids.shape[0], **({"rope": (cos, sin)} if fused_rope else {}))
     out_in = layers_unstacked(params)
 
     def layer(x, cache, xs):
         lp, index = xs
-        q, k, v = qkv(cfg, lp, x, cos, sin, out_in=out_in)
+        q, k, v = qkv(cfg, lp, x, cos, sin, out_in=out_in, rope=not fused_rope)
         o, cache = attention(q, k, v, cache, index, plan)
         return attn_out_and_mlp(cfg, lp, x, o.astype(dtype), out_in=out_in), cache, (k, v)
 

@@ -1,6 +1,6 @@
 """Native CPU kernels, built on first use and called from jitted code through `jax.ffi`.
 
-Two kernels:
+Three kernels:
 - `attention`, the CPU step's attention (pagedjax/native/attention.cc): each token over its row's
   cached context, read page by page from the pool, and over the step's own K/V of its row. It
   computes what `pagedjax.attention.xla.xla_attention` computes with XLA ops (`context_attention`
@@ -10,6 +10,8 @@ Two kernels:
 - `matmul` (pagedjax/native/matmul.cc, AVX-512 CPUs): x times a weight held as `Panels`, on
   every core at the memory's rate; the native path's projections and output head
   (pagedjax.model.step_weights). `PAGEDJAX_NATIVE_MATMUL=0` leaves them to XLA.
+- `greedy` (pagedjax/native/greedy.cc): the step's greedy tokens, their logprobs and logsumexp
+  from the logits, non-finite rows zeroed, in one pass per row; the native path's step uses it.
 
 The source is compiled once per machine with the C++ compiler found as `$CXX`, else `g++`, else
 `c++`, against the XLA FFI headers jaxlib ships (`jax.ffi.include_dir()`), with `-march=native`:
@@ -42,6 +44,7 @@ SOURCE = Path(__file__).with_name("attention.cc")
 TARGET = "pagedjax_cpu_attention"
 SYMBOL = "PagedjaxCpuAttention"
 WRITING = ("_writing", "Writing")   # the suffixes of the handler that writes the step's K/V into the pool
+ROPE = ("_writing_rope", "WritingRope")   # ... and applies the rotary embedding to q and k first
 # -ffast-math lets the dot products and exp vectorise (glibc's vector exp); the kernel never
 # computes with infinities (see kNoScore in the source)
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC")
@@ -119,9 +122,10 @@ def _register(source: Path = SOURCE, target: str = TARGET, extra_flags: tuple[st
     try:
         lib = ctypes.cdll.LoadLibrary(str(build(source=source, extra_flags=extra_flags)))
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, SYMBOL)), platform="cpu")
-        if hasattr(lib, SYMBOL + WRITING[1]):   # another version of the source may not have it
-            jax.ffi.register_ffi_target(target + WRITING[0], jax.ffi.pycapsule(getattr(lib, SYMBOL + WRITING[1])),
-                                        platform="cpu")
+        for suffix, symbol in (WRITING, ROPE):   # another version of the source may not have them
+            if hasattr(lib, SYMBOL + symbol):
+                jax.ffi.register_ffi_target(target + suffix, jax.ffi.pycapsule(getattr(lib, SYMBOL + symbol)),
+                                            platform="cpu")
     except (NativeUnavailable, OSError, AttributeError) as e:
         return str(e)
     return None
@@ -382,7 +386,7 @@ _UNPACKERS = {"q4": _unpack_q4, "q8": _unpack_q8, "bf16": _unpack_bf16}
 
 
 def attention(qg, k_new, v_new, k_cache, v_cache, layer, tables, layout, target: str = TARGET,
-              *, slot_mapping=None):
+              *, slot_mapping=None, rope=None):
     """Drop-in for `pagedjax.attention.xla.xla_attention` (same arguments, same result): qg f32
     [T, KVH, G, D] scaled queries; k_new, v_new [T, KVH, D] the step's own K/V; the pool
     [L, KVH, NB, BS, D] f32 or bf16 (or bf16 as uint16 bits), its pages in the kernel's layout
@@ -391,12 +395,20 @@ def attention(qg, k_new, v_new, k_cache, v_cache, layer, tables, layout, target:
     padding tokens). `target`: one from `register_source`.
 
     slot_mapping (int32 [T], -1 for none) also writes the step's K/V into the pool's `layer` at
-    those slots, after every read, and returns `(o, (k_cache, v_cache))`: the pool handed back in
+    those slots, each row's after its own reads (a row reads only positions before its step's
+    first, and the blocks it writes are its own), and returns `(o, (k_cache, v_cache))`: the pool handed back in
     the same buffers (aliased), now holding them. Thread it on to the next layer's call and XLA
-    updates the donated pool in place; unless it is donated or threaded on, XLA copies it first."""
+    updates the donated pool in place; unless it is donated or threaded on, XLA copies it first.
+
+    rope = (cos, sin, scale), with slot_mapping: qg and k_new come *before* the rotary embedding
+    (cos, sin f32 [T, D], as `pagedjax.model.llama.rope_cos_sin` gives them); the kernel rotates
+    both (writing the rotated keys) and multiplies the rotated queries by `scale`, which saves
+    the step the XLA ops that would do it."""
     reason = _register() if target == TARGET else None
     if reason is not None:
         raise NativeUnavailable(reason)
+    if rope is not None and slot_mapping is None:
+        raise ValueError("native.attention: rope needs slot_mapping (the rotating call also writes the keys)")
     T, KVH, G, D = qg.shape
     out = jax.ShapeDtypeStruct((T, KVH, G, D), jnp.float32)
     i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
@@ -406,8 +418,14 @@ def attention(qg, k_new, v_new, k_cache, v_cache, layer, tables, layout, target:
     if slot_mapping is None:
         return jax.ffi.ffi_call(target, out)(*operands).reshape(T, KVH * G, D)
     like = lambda c: jax.ShapeDtypeStruct(c.shape, c.dtype)  # noqa: E731
-    call = jax.ffi.ffi_call(target + WRITING[0], (out, like(k_cache), like(v_cache)), input_output_aliases={3: 1, 4: 2})
-    o, k_cache, v_cache = call(*operands, i32(slot_mapping))
+    results = (out, like(k_cache), like(v_cache))
+    if rope is None:
+        call = jax.ffi.ffi_call(target + WRITING[0], results, input_output_aliases={3: 1, 4: 2})
+        o, k_cache, v_cache = call(*operands, i32(slot_mapping))
+    else:
+        cos, sin, scale = rope
+        call = jax.ffi.ffi_call(target + ROPE[0], results, input_output_aliases={3: 1, 4: 2})
+        o, k_cache, v_cache = call(*operands, i32(slot_mapping), f32(cos), f32(sin), scale=np.float32(scale))
     return o.reshape(T, KVH * G, D), (k_cache, v_cache)
 
 
@@ -441,3 +459,45 @@ def from_pages(k_cache, v_cache):
     v = v_cache.reshape(*lead, bs // wv, d, wv)
     v = jnp.swapaxes(v, -2, -1).reshape(*lead, bs, d)
     return k, v
+
+
+# -- greedy ---------------------------------------------------------------------------------------
+
+GREEDY_SOURCE = Path(__file__).with_name("greedy.cc")
+GREEDY_TARGET = "pagedjax_cpu_greedy"
+
+
+@lru_cache(maxsize=None)
+def _register_greedy() -> str | None:
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(build(source=GREEDY_SOURCE)))
+        jax.ffi.register_ffi_target(GREEDY_TARGET, jax.ffi.pycapsule(lib.PagedjaxCpuGreedy), platform="cpu")
+    except (NativeUnavailable, OSError, AttributeError) as e:
+        return str(e)
+    return None
+
+
+def greedy_available() -> bool:
+    """Whether `greedy` runs here (building it if needed)."""
+    return _register_greedy() is None
+
+
+def greedy_unavailable_reason() -> str | None:
+    return _register_greedy()
+
+
+def greedy(logits):
+    """The step's greedy choice from logits f32 [S, V]: (safe, token, logprob, lse, finite), where
+    `safe` is the logits with every row holding a non-finite value zeroed (`finite` False for it),
+    token int32 [S] the first index of each row's maximum of `safe`, lse f32 [S] its logsumexp and
+    logprob f32 [S] the token's log-probability. What `jnp.isfinite`, `jnp.where` and
+    `pagedjax.sampling.greedy` give, the token exactly, lse and logprob up to the order of the sum
+    of exponentials; `safe` takes the logits' buffer (XLA copies them first where they live on)."""
+    reason = _register_greedy()
+    if reason is not None:
+        raise NativeUnavailable(reason)
+    S, V = logits.shape
+    out = (jax.ShapeDtypeStruct((S, V), jnp.float32), jax.ShapeDtypeStruct((S,), jnp.int32),
+           jax.ShapeDtypeStruct((S,), jnp.float32), jax.ShapeDtypeStruct((S,), jnp.float32),
+           jax.ShapeDtypeStruct((S,), jnp.bool_))
+    return jax.ffi.ffi_call(GREEDY_TARGET, out, input_output_aliases={0: 0})(jnp.asarray(logits, jnp.float32))
