@@ -31,6 +31,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from pathlib import Path
 
@@ -116,9 +117,29 @@ def build(force: bool = False, source: Path = SOURCE, extra_flags: tuple[str, ..
 
 
 @lru_cache(maxsize=None)
+def _prebuild() -> None:
+    """Build the libraries this machine's step uses (attention, greedy, and the matmul where it
+    runs) side by side, once per process, the first time any is needed: a first start on a new
+    machine then waits for the longest build (~12 s on 2 cores), not their sum (~19 s). Each is
+    still built, loaded and its failure reported by its own registration; built ones are reused."""
+    if compiler() is None:
+        return
+    jobs = [(SOURCE, ()), (GREEDY_SOURCE, ())]
+    if _matmul_wanted() is None:
+        jobs.append((MATMUL_SOURCE, MATMUL_FLAGS))
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        for done in [pool.submit(build, source=src, extra_flags=flags) for src, flags in jobs]:
+            try:
+                done.result()
+            except NativeUnavailable:
+                pass   # reported by that kernel's registration
+
+
+@lru_cache(maxsize=None)
 def _register(source: Path = SOURCE, target: str = TARGET, extra_flags: tuple[str, ...] = ()) -> str | None:
     """Build, load and register an FFI target once per process. Returns None when it worked,
     else the reason it did not."""
+    _prebuild()
     try:
         lib = ctypes.cdll.LoadLibrary(str(build(source=source, extra_flags=extra_flags)))
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, SYMBOL)), platform="cpu")
@@ -181,15 +202,27 @@ PANEL = 32   # outputs per panel (see matmul.cc)
 PACKED = {"q4": (4, 768), "q8": (8, 1152), "bf16": (16, 2048)}
 
 
-@lru_cache(maxsize=None)
-def _register_matmul() -> str | None:
+# without -ffast-math: every output is summed in the order the source gives
+MATMUL_FLAGS = ("-fno-fast-math",)
+
+
+def _matmul_wanted() -> str | None:
+    """Why the native matmul is not used here, or None."""
     if os.environ.get("PAGEDJAX_NATIVE_MATMUL", "1") == "0":
         return "turned off by PAGEDJAX_NATIVE_MATMUL=0"
     if "avx512f" not in cpu_flags():
         return "the native matmul is written for AVX-512, which this CPU does not have"
+    return None
+
+
+@lru_cache(maxsize=None)
+def _register_matmul() -> str | None:
+    reason = _matmul_wanted()
+    if reason is not None:
+        return reason
+    _prebuild()
     try:
-        # without -ffast-math: every output is summed in the order the source gives
-        lib = ctypes.cdll.LoadLibrary(str(build(source=MATMUL_SOURCE, extra_flags=("-fno-fast-math",))))
+        lib = ctypes.cdll.LoadLibrary(str(build(source=MATMUL_SOURCE, extra_flags=MATMUL_FLAGS)))
         jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(lib.PagedjaxCpuMatmul), platform="cpu")
         jax.ffi.register_ffi_target(MATMUL_TARGET + "_packed", jax.ffi.pycapsule(lib.PagedjaxCpuMatmulPacked),
                                     platform="cpu")
@@ -469,6 +502,7 @@ GREEDY_TARGET = "pagedjax_cpu_greedy"
 
 @lru_cache(maxsize=None)
 def _register_greedy() -> str | None:
+    _prebuild()
     try:
         lib = ctypes.cdll.LoadLibrary(str(build(source=GREEDY_SOURCE)))
         jax.ffi.register_ffi_target(GREEDY_TARGET, jax.ffi.pycapsule(lib.PagedjaxCpuGreedy), platform="cpu")
