@@ -135,21 +135,28 @@ def _prebuild() -> None:
                 pass   # reported by that kernel's registration
 
 
+def _load(source: Path, extra_flags: tuple[str, ...], handlers: dict[str, str],
+          optional: dict[str, str] | None = None) -> str | None:
+    """Build `source` (the libraries of this machine side by side first, `_prebuild`), load it and
+    register its FFI handlers, {target: symbol}, and those of `optional` it has (another version
+    of a source may not). Returns None when it worked, else the reason it did not."""
+    _prebuild()
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(build(source=source, extra_flags=extra_flags)))
+        wanted = {**handlers, **{t: sym for t, sym in (optional or {}).items() if hasattr(lib, sym)}}
+        for target, symbol in wanted.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    except (NativeUnavailable, OSError, AttributeError) as e:
+        return str(e)
+    return None
+
+
 @lru_cache(maxsize=None)
 def _register(source: Path = SOURCE, target: str = TARGET, extra_flags: tuple[str, ...] = ()) -> str | None:
     """Build, load and register an FFI target once per process. Returns None when it worked,
     else the reason it did not."""
-    _prebuild()
-    try:
-        lib = ctypes.cdll.LoadLibrary(str(build(source=source, extra_flags=extra_flags)))
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, SYMBOL)), platform="cpu")
-        for suffix, symbol in (WRITING, ROPE):   # another version of the source may not have them
-            if hasattr(lib, SYMBOL + symbol):
-                jax.ffi.register_ffi_target(target + suffix, jax.ffi.pycapsule(getattr(lib, SYMBOL + symbol)),
-                                            platform="cpu")
-    except (NativeUnavailable, OSError, AttributeError) as e:
-        return str(e)
-    return None
+    return _load(source, extra_flags, {target: SYMBOL},
+                 {target + suffix: SYMBOL + symbol for suffix, symbol in (WRITING, ROPE)})
 
 
 def register_source(source: Path = SOURCE, extra_flags: tuple[str, ...] = ()) -> str:
@@ -217,18 +224,8 @@ def _matmul_wanted() -> str | None:
 
 @lru_cache(maxsize=None)
 def _register_matmul() -> str | None:
-    reason = _matmul_wanted()
-    if reason is not None:
-        return reason
-    _prebuild()
-    try:
-        lib = ctypes.cdll.LoadLibrary(str(build(source=MATMUL_SOURCE, extra_flags=MATMUL_FLAGS)))
-        jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(lib.PagedjaxCpuMatmul), platform="cpu")
-        jax.ffi.register_ffi_target(MATMUL_TARGET + "_packed", jax.ffi.pycapsule(lib.PagedjaxCpuMatmulPacked),
-                                    platform="cpu")
-    except (NativeUnavailable, OSError, AttributeError) as e:
-        return str(e)
-    return None
+    return _matmul_wanted() or _load(MATMUL_SOURCE, MATMUL_FLAGS, {MATMUL_TARGET: "PagedjaxCpuMatmul",
+                                                                    MATMUL_TARGET + "_packed": "PagedjaxCpuMatmulPacked"})
 
 
 def matmul_available() -> bool:
@@ -429,8 +426,8 @@ def attention(qg, k_new, v_new, k_cache, v_cache, layer, tables, layout, target:
 
     slot_mapping (int32 [T], -1 for none) also writes the step's K/V into the pool's `layer` at
     those slots, each row's after its own reads (a row reads only positions before its step's
-    first, and the blocks it writes are its own), and returns `(o, (k_cache, v_cache))`: the pool handed back in
-    the same buffers (aliased), now holding them. Thread it on to the next layer's call and XLA
+    first, and the blocks it writes are its own), and returns `(o, (k_cache, v_cache))`: the pool
+    handed back in the same buffers (aliased), now holding them. Thread it on to the next layer's call and XLA
     updates the donated pool in place; unless it is donated or threaded on, XLA copies it first.
 
     rope = (cos, sin, scale), with slot_mapping: qg and k_new come *before* the rotary embedding
@@ -502,13 +499,7 @@ GREEDY_TARGET = "pagedjax_cpu_greedy"
 
 @lru_cache(maxsize=None)
 def _register_greedy() -> str | None:
-    _prebuild()
-    try:
-        lib = ctypes.cdll.LoadLibrary(str(build(source=GREEDY_SOURCE)))
-        jax.ffi.register_ffi_target(GREEDY_TARGET, jax.ffi.pycapsule(lib.PagedjaxCpuGreedy), platform="cpu")
-    except (NativeUnavailable, OSError, AttributeError) as e:
-        return str(e)
-    return None
+    return _load(GREEDY_SOURCE, (), {GREEDY_TARGET: "PagedjaxCpuGreedy"})
 
 
 def greedy_available() -> bool:
@@ -525,8 +516,9 @@ def greedy(logits):
     `safe` is the logits with every row holding a non-finite value zeroed (`finite` False for it),
     token int32 [S] the first index of each row's maximum of `safe`, lse f32 [S] its logsumexp and
     logprob f32 [S] the token's log-probability. What `jnp.isfinite`, `jnp.where` and
-    `pagedjax.sampling.greedy` give, the token exactly, lse and logprob up to the order of the sum
-    of exponentials; `safe` takes the logits' buffer (XLA copies them first where they live on)."""
+    `pagedjax.sampling.greedy` give: safe, finite and the token exactly; lse and logprob summed in
+    double, within float32 rounding of the exact values (XLA's float32 sums drift ~1e-5). `safe`
+    takes the logits' buffer (XLA copies them first where they live on)."""
     reason = _register_greedy()
     if reason is not None:
         raise NativeUnavailable(reason)

@@ -969,15 +969,14 @@ ffi::Error Call(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::
   // items other threads claimed may still be running
   while (shared->done.load(std::memory_order_acquire) < n_items) std::this_thread::yield();
   // padding tokens belong to no item; one given a slot still writes there
-  for (int64_t t = 0; sl != nullptr && t < s.T; ++t) {
-    if (sq[t] >= 0 || sl[t] < 0) continue;
-    if (k.element_type() == ffi::DataType::F32)
-      WritePool(s, layer, k_new.typed_data(), v_new.typed_data(), sl, static_cast<float*>(k_out),
-                static_cast<float*>(v_out), t, t + 1, 0, s.KVH, rope);
-    else
-      WritePool(s, layer, k_new.typed_data(), v_new.typed_data(), sl, static_cast<uint16_t*>(k_out),
-                static_cast<uint16_t*>(v_out), t, t + 1, 0, s.KVH, rope);
-  }
+  auto write_padding = [&](auto* kw, auto* vw) {
+    for (int64_t t = 0; t < s.T; ++t)
+      if (sq[t] < 0 && sl[t] >= 0) WritePool(s, layer, k_new.typed_data(), v_new.typed_data(), sl, kw, vw, t, t + 1, 0, s.KVH, rope);
+  };
+  if (sl != nullptr && k.element_type() == ffi::DataType::F32)
+    write_padding(static_cast<float*>(k_out), static_cast<float*>(v_out));
+  else if (sl != nullptr)
+    write_padding(static_cast<uint16_t*>(k_out), static_cast<uint16_t*>(v_out));
   return ffi::Error::Success();
 }
 
