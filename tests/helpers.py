@@ -46,11 +46,12 @@ def decode(mgr, req, token):
 
 def require_native_matmul():
     """For tests of the native matmul: skip where it is not built for this CPU (it is written for
-    AVX-512; elsewhere the projections are XLA's, which the other tests cover)."""
+    AVX-512 and for AVX2 with FMA; elsewhere the projections are XLA's, which the other tests
+    cover)."""
     from pagedjax import native
 
-    if native.compiler() is None or "avx512f" not in native.cpu_flags():
-        pytest.skip("the native matmul needs a C++ compiler and an AVX-512 CPU")
+    if native.compiler() is None or not native.matmul_cpu_supported():
+        pytest.skip("the native matmul needs a C++ compiler and a CPU with AVX-512, or AVX2 and FMA")
     if not native.matmul_available():
         pytest.fail(f"the native matmul did not build: {native.matmul_unavailable_reason()}")
 

@@ -5,7 +5,8 @@ counts that split into uneven blocks), depths on and off its 64-input runs, and 
 that are not a multiple of a panel (zero-padded, then dropped); each row's result bitwise the
 same whatever rows share the call; the panels' round trip; the packed forms (4-bit, 8-bit and
 bfloat16 records of weights exactly of those forms) giving the float32 panels' result bit for
-bit, and a weight one value off its form staying float32; and the engine's weights in that
+bit, and a weight one value off its form staying float32; the AVX2 build (what CPUs without
+AVX-512 run) giving the same bits as this CPU's own; and the engine's weights in that
 layout: held where the kernel runs, given back in the model's layout, replaced without a
 compilation."""
 
@@ -150,6 +151,28 @@ def test_packed_forms_give_the_float32_panels_result_bit_for_bit(kind, record, T
     # the form travels through jit as static data
     leaves, treedef = jax.tree.flatten(packed)
     assert len(leaves) == 1 and jax.tree.unflatten(treedef, leaves).kind == kind
+
+
+@pytest.mark.parametrize("kind", ["f32", "q4", "q8", "bf16"])
+def test_the_avx2_build_gives_the_same_bits(kind):
+    """CPUs without AVX-512 take 8-wide loops (blocks of up to 6 rows times half a panel, the whole
+    panel for one or two rows); every output is the same chain of fused multiply-adds, so the build
+    with -mno-avx512f gives this CPU's own build's result bit for bit, at every block size."""
+    if "avx2" not in native.cpu_flags() or "fma" not in native.cpu_flags():
+        pytest.skip("the AVX2 path needs a CPU with AVX2 and FMA")
+    target = native.register_matmul_build(("-mno-avx512f",))
+    rng = np.random.default_rng(11)
+    K, N = 160, 96
+    w = rng.standard_normal((N, K)).astype(np.float32) if kind == "f32" else exactly_of_form(kind, N, K, rng)
+    p = native.Panels.from_out_in(w, pack=kind != "f32")
+    assert p.kind == kind
+    ref_w = w.T.astype(np.float64)
+    for T in (1, 2, 3, 7, 8, 13, 32, 37):
+        x = rng.standard_normal((T, K)).astype(np.float32)
+        y = np.asarray(jax.jit(lambda x, w: native.matmul(x, w, kind, target=target))(x, p.panels))
+        np.testing.assert_array_equal(bits(y), bits(product(x, p)))
+        ref = x.astype(np.float64) @ ref_w
+        assert np.abs(y - ref).max() <= 1e-6 * np.abs(ref).max()
 
 
 def test_a_weight_one_value_off_its_form_stays_float32():

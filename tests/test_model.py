@@ -199,7 +199,7 @@ def test_ragged_prefill_and_decode_match_hf(tiny, backend):
     prefilled in two chunks alongside the others' decode tokens. Every attention backend: the
     Pallas kernel (interpreted) reads its layer of the stacked pool the loop carries. "unstacked":
     the layers over one array per weight per layer, run one after another (the engine's CPU path);
-    "panels": and multiplied by the native matmul (that path on an AVX-512 CPU)."""
+    "panels": and multiplied by the native matmul (that path on a CPU with AVX-512, or AVX2 and FMA)."""
     backend, _, layout = backend.partition(", ")
     if backend == "native":
         require_native()

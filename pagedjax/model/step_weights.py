@@ -4,8 +4,9 @@ The model's own layout (pagedjax.model.llama) stacks each weight over the layers
 the native CPU path a step holds them otherwise:
 - unstacked, projections `[out, in]` (`unstack_layers`): XLA:CPU would copy a stacked weight's
   slice before every matmul;
-- and, where the native matmul runs (an AVX-512 CPU: `pagedjax.native.matmul_available`), every
-  projection and the output head as `pagedjax.native.Panels`, multiplied by that kernel: a few
+- and, where the native matmul runs (a CPU with AVX-512, or AVX2 and FMA:
+  `pagedjax.native.matmul_available`), every projection and the output head as
+  `pagedjax.native.Panels`, multiplied by that kernel: a few
   rows times a large weight run at the memory's rate on every core, and each row's result does
   not depend on the rows beside it. The head is then a second copy of a tied embedding, under
   "head" (the embedding itself stays for the token lookup). A weight whose values are exactly

@@ -7,7 +7,7 @@ Three kernels:
   + `split_attention`), and replaces it in the "native" attention backend ("auto" on a CPU picks
   that backend when the kernel builds). Its pool's pages are laid out for its sums (`to_pages`)
   and it writes the step's K/V into them itself (`slot_mapping`).
-- `matmul` (pagedjax/native/matmul.cc, AVX-512 CPUs): x times a weight held as `Panels`, on
+- `matmul` (pagedjax/native/matmul.cc, CPUs with AVX-512 or AVX2 and FMA): x times a weight held as `Panels`, on
   every core at the memory's rate; the native path's projections and output head
   (pagedjax.model.step_weights). `PAGEDJAX_NATIVE_MATMUL=0` leaves them to XLA.
 - `greedy` (pagedjax/native/greedy.cc): the step's greedy tokens, their logprobs and logsumexp
@@ -213,24 +213,42 @@ PACKED = {"q4": (4, 768), "q8": (8, 1152), "bf16": (16, 2048)}
 MATMUL_FLAGS = ("-fno-fast-math",)
 
 
+def matmul_cpu_supported() -> bool:
+    """Whether this CPU has what matmul.cc is written for: AVX-512, or AVX2 with FMA."""
+    flags = cpu_flags()
+    return "avx512f" in flags or {"avx2", "fma"} <= flags
+
+
 def _matmul_wanted() -> str | None:
     """Why the native matmul is not used here, or None."""
     if os.environ.get("PAGEDJAX_NATIVE_MATMUL", "1") == "0":
         return "turned off by PAGEDJAX_NATIVE_MATMUL=0"
-    if "avx512f" not in cpu_flags():
-        return "the native matmul is written for AVX-512, which this CPU does not have"
+    if not matmul_cpu_supported():
+        return "the native matmul is written for AVX-512 or AVX2 with FMA, which this CPU does not have"
     return None
 
 
 @lru_cache(maxsize=None)
-def _register_matmul() -> str | None:
-    return _matmul_wanted() or _load(MATMUL_SOURCE, MATMUL_FLAGS, {MATMUL_TARGET: "PagedjaxCpuMatmul",
-                                                                    MATMUL_TARGET + "_packed": "PagedjaxCpuMatmulPacked"})
+def _register_matmul(target: str = MATMUL_TARGET, extra_flags: tuple[str, ...] = ()) -> str | None:
+    return (_matmul_wanted() if target == MATMUL_TARGET else None) or _load(
+        MATMUL_SOURCE, (*MATMUL_FLAGS, *extra_flags),
+        {target: "PagedjaxCpuMatmul", target + "_packed": "PagedjaxCpuMatmulPacked"})
+
+
+def register_matmul_build(extra_flags: tuple[str, ...]) -> str:
+    """Build matmul.cc with `extra_flags` too (`-mno-avx512f`: the AVX2 path, on an AVX-512 CPU)
+    and register it beside the project's own; returns the target to pass to `matmul(...,
+    target=)`. For tests and benchmarks of a path this CPU would not take."""
+    target = f"{MATMUL_TARGET}_{hashlib.sha256(' '.join(extra_flags).encode()).hexdigest()[:12]}"
+    reason = _register_matmul(target, tuple(extra_flags))
+    if reason is not None:
+        raise NativeUnavailable(reason)
+    return target
 
 
 def matmul_available() -> bool:
-    """Whether `matmul` runs here: a CPU with AVX-512, the library built, and not turned off
-    (`PAGEDJAX_NATIVE_MATMUL=0`, read once per process)."""
+    """Whether `matmul` runs here: a CPU with AVX-512 or AVX2 and FMA, the library built, and not
+    turned off (`PAGEDJAX_NATIVE_MATMUL=0`, read once per process)."""
     return _register_matmul() is None
 
 
@@ -244,18 +262,19 @@ def packing_enabled() -> bool:
     return os.environ.get("PAGEDJAX_NATIVE_MATMUL", "1") != "f32"
 
 
-def matmul(x, panels, kind: str = "f32"):
+def matmul(x, panels, kind: str = "f32", target: str = MATMUL_TARGET):
     """x f32 [T, K] times a weight held as panels (`Panels`): f32 [N / 32, K, 32], or one of the
     packed forms (`kind` "q4", "q8", "bf16": u8 [N / 32, K / 32, record bytes]); f32 [T, N], each
-    output summed over k in order, independently of the other rows (pagedjax/native/matmul.cc)."""
-    reason = _register_matmul()
+    output summed over k in order, independently of the other rows (pagedjax/native/matmul.cc).
+    `target`: one from `register_matmul_build`."""
+    reason = _register_matmul() if target == MATMUL_TARGET else None
     if reason is not None:
         raise NativeUnavailable(reason)
     out = jax.ShapeDtypeStruct((x.shape[0], panels.shape[0] * PANEL), jnp.float32)
     x = jnp.asarray(x, jnp.float32)
     if kind == "f32":
-        return jax.ffi.ffi_call(MATMUL_TARGET, out)(x, panels)
-    return jax.ffi.ffi_call(MATMUL_TARGET + "_packed", out)(x, panels, kind=np.int32(PACKED[kind][0]))
+        return jax.ffi.ffi_call(target, out)(x, panels)
+    return jax.ffi.ffi_call(target + "_packed", out)(x, panels, kind=np.int32(PACKED[kind][0]))
 
 
 @jax.tree_util.register_pytree_node_class

@@ -32,10 +32,15 @@
 //   kQ8   1152 B: f32 scale[32], i8 q[32][32]                w[k][n] = scale[n] * q (GGUF Q8_0)
 //   kBF16 2048 B: bf16 w[32][32]                             w[k][n] = w, widened
 //
+// CPUs with AVX2 and FMA but without AVX-512 (AMD's Zen 3 and older, most Intel laptops) take
+// the same passes with 8-wide registers: blocks of up to 6 rows times half a panel, 12
+// accumulators; every output is still the one chain of fused multiply-adds, so the two give the
+// same bits.
+//
 // Built on first use by pagedjax/native/__init__.py (g++ -O3 -march=native, without
 // -ffast-math, so the order of the sums is the one written here) and checked against float64
-// products in tests/test_cpu_matmul.py. AVX-512 only: elsewhere the library is not built and the
-// projections stay XLA's.
+// products in tests/test_cpu_matmul.py (the AVX2 build too, on an AVX-512 CPU). Elsewhere the
+// library is not built and the projections stay XLA's.
 
 #include <algorithm>
 #include <atomic>
@@ -48,16 +53,15 @@
 
 #include "xla/ffi/api/ffi.h"
 
-#if !defined(__AVX512F__)
-#error "pagedjax's native matmul needs AVX-512 (the Python side does not build it without)"
+#if !defined(__AVX512F__) && !(defined(__AVX2__) && defined(__FMA__))
+#error "pagedjax's native matmul needs AVX-512, or AVX2 with FMA (the Python side does not build it without)"
 #endif
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kPanel = 32;     // outputs per panel: two 16-wide registers
-constexpr int64_t kRows = 12;      // rows of x per block: 24 accumulators
+constexpr int64_t kPanel = 32;     // outputs per panel
 constexpr int64_t kDepth = 64;     // panel rows per pass (8 KB, kept in L1 for every block of x)
 constexpr int64_t kRecord = 32;    // inputs per packed record
 
@@ -66,6 +70,14 @@ enum Kind : int32_t { kF32 = 0, kQ4 = 4, kQ8 = 8, kBF16 = 16 };
 constexpr int64_t RecordBytes(int32_t kind) {
   return kind == kQ4 ? 768 : kind == kQ8 ? 1152 : kind == kBF16 ? 2048 : kRecord * kPanel * 4;
 }
+
+// Each instruction set below gives the same three things: kRows (rows of x per block), Pass
+// (every row of x times one pass of a panel) and Unpack (one packed record as float32 rows).
+// Every output is the same chain of fused multiply-adds in either, so both give the same bits.
+
+#if defined(__AVX512F__)
+
+constexpr int64_t kRows = 12;      // rows of x per block: 24 accumulators of 16
 
 // y[t0 .. t0 + R, n0 .. n0 + 32] (+)= x[t0 .. t0 + R, k0 .. k1] times the panel's rows k0 .. k1
 // (`rows`: row k0, the next ones 32 floats apart): each pass sums its 64 products from zero,
@@ -106,6 +118,16 @@ using BlockFn = void (*)(const float*, int64_t, const float*, float*, int64_t, i
 constexpr BlockFn kBlocks[kRows + 1] = {nullptr,   Block<1>, Block<2>, Block<3>,  Block<4>,  Block<5>, Block<6>,
                                         Block<7>,  Block<8>, Block<9>, Block<10>, Block<11>, Block<12>};
 
+// The T rows of x, as `blocks` blocks of as even a size as can be (32 rows: 11 + 11 + 10), times
+// the panel's rows k0 .. k1 into its 32 outputs at n0.
+void Pass(const float* x, int64_t K, const float* rows, float* y, int64_t N, int64_t n0, int64_t T, int64_t blocks,
+          int64_t k0, int64_t k1) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t t0 = b * T / blocks, t1 = (b + 1) * T / blocks;
+    kBlocks[t1 - t0](x, K, rows, y, N, n0, t0, k0, k1);
+  }
+}
+
 // One packed record (32 inputs x 32 outputs) as float32 rows of 32, into `out`.
 void Unpack(int32_t kind, const uint8_t* rec, float* out) {
   if (kind == kQ4) {
@@ -142,6 +164,110 @@ void Unpack(int32_t kind, const uint8_t* rec, float* out) {
   }
 }
 
+#else  // AVX2 with FMA: 16 registers of 8
+
+constexpr int64_t kRows = 6;       // rows of x per block: 12 accumulators of 8
+
+// As the AVX-512 Block, over W * 8 of the panel's outputs: y[t0 .. t0 + R, n0 .. n0 + 8 W] from
+// `rows` (the first of those outputs; rows still 32 floats apart). Up to 6 rows times half a
+// panel: 12 accumulators, the half-row of the panel in two registers and the broadcast value of x
+// in one, 15 of the 16, so nothing spills; one or two rows take the whole panel (8 accumulators),
+// so that there are enough independent sums to keep both FMA units busy.
+template <int R, int W>
+void Block(const float* x, int64_t K, const float* rows, float* y, int64_t N, int64_t n0, int64_t t0,
+           int64_t k0, int64_t k1) {
+  __m256 acc[R][W];
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < W; ++j) acc[r][j] = _mm256_setzero_ps();
+  const float* xr = x + t0 * K;
+  // unrolled four times over k (each sum still in k's order): the loop's own instructions were
+  // a quarter of the work at 8 rows
+#pragma GCC unroll 4
+  for (int64_t k = k0; k < k1; ++k) {
+    __m256 w[W];
+#pragma GCC unroll 4
+    for (int j = 0; j < W; ++j) w[j] = _mm256_loadu_ps(rows + (k - k0) * kPanel + 8 * j);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_broadcast_ss(xr + r * K + k);
+#pragma GCC unroll 4
+      for (int j = 0; j < W; ++j) acc[r][j] = _mm256_fmadd_ps(xv, w[j], acc[r][j]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) {
+    float* out = y + (t0 + r) * N + n0;
+#pragma GCC unroll 4
+    for (int j = 0; j < W; ++j) {
+      if (k0 > 0) acc[r][j] = _mm256_add_ps(_mm256_loadu_ps(out + 8 * j), acc[r][j]);
+      _mm256_storeu_ps(out + 8 * j, acc[r][j]);
+    }
+  }
+}
+
+using BlockFn = void (*)(const float*, int64_t, const float*, float*, int64_t, int64_t, int64_t, int64_t, int64_t);
+constexpr BlockFn kBlocks[kRows + 1] = {nullptr, Block<1, 4>, Block<2, 4>, Block<3, 2>, Block<4, 2>, Block<5, 2>,
+                                        Block<6, 2>};
+
+// The T rows of x, as `blocks` blocks of as even a size as can be (32 rows: 5 + 5 + 6 + 5 + 5 +
+// 6), times the panel's rows k0 .. k1: blocks of three or more rows take each half of its 32
+// outputs in turn (the pass's 8 KB stay in L1 for both).
+void Pass(const float* x, int64_t K, const float* rows, float* y, int64_t N, int64_t n0, int64_t T, int64_t blocks,
+          int64_t k0, int64_t k1) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t t0 = b * T / blocks, t1 = (b + 1) * T / blocks;
+    if (t1 - t0 <= 2) {
+      kBlocks[t1 - t0](x, K, rows, y, N, n0, t0, k0, k1);
+    } else {
+      kBlocks[t1 - t0](x, K, rows, y, N, n0, t0, k0, k1);
+      kBlocks[t1 - t0](x, K, rows + 16, y, N, n0 + 16, t0, k0, k1);
+    }
+  }
+}
+
+// Eight bytes (unsigned or signed) or halves widened to eight int32 lanes.
+inline __m256i Bytes8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline __m256i SignedBytes8(const uint8_t* p) {
+  return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256i Halves8(const uint8_t* p) { return _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// One packed record (32 inputs x 32 outputs) as float32 rows of 32, into `out`: the same values
+// as the AVX-512 Unpack, eight outputs at a time.
+void Unpack(int32_t kind, const uint8_t* rec, float* out) {
+  const float* scale = reinterpret_cast<const float*>(rec);
+  if (kind == kQ4) {
+    __m256 s[4], m[4];
+    for (int j = 0; j < 4; ++j) s[j] = _mm256_loadu_ps(scale + 8 * j), m[j] = _mm256_loadu_ps(scale + 32 + 8 * j);
+    const uint8_t* q = rec + 256;
+    const __m256i nibble = _mm256_set1_epi32(0xF);
+    for (int k = 0; k < kRecord; ++k, q += 16, out += kPanel) {
+      const __m256i b[2] = {Bytes8(q), Bytes8(q + 8)};   // byte j: output j low, j + 16 high
+      for (int j = 0; j < 2; ++j) {
+        _mm256_storeu_ps(out + 8 * j, _mm256_fmadd_ps(s[j], _mm256_cvtepi32_ps(_mm256_and_si256(b[j], nibble)), m[j]));
+        _mm256_storeu_ps(out + 16 + 8 * j,
+                         _mm256_fmadd_ps(s[2 + j], _mm256_cvtepi32_ps(_mm256_srli_epi32(b[j], 4)), m[2 + j]));
+      }
+    }
+  } else if (kind == kQ8) {
+    __m256 s[4];
+    for (int j = 0; j < 4; ++j) s[j] = _mm256_loadu_ps(scale + 8 * j);
+    const uint8_t* q = rec + 128;
+    for (int k = 0; k < kRecord; ++k, q += 32, out += kPanel)
+      for (int j = 0; j < 4; ++j)
+        _mm256_storeu_ps(out + 8 * j, _mm256_mul_ps(s[j], _mm256_cvtepi32_ps(SignedBytes8(q + 8 * j))));
+  } else {  // kBF16: a bfloat16 is the high half of the float32 it widens to
+    const uint8_t* w = rec;
+    for (int k = 0; k < kRecord; ++k, w += 64, out += kPanel)
+      for (int j = 0; j < 4; ++j)
+        _mm256_storeu_ps(out + 8 * j, _mm256_castsi256_ps(_mm256_slli_epi32(Halves8(w + 16 * j), 16)));
+  }
+}
+
+#endif
+
 // Panels shared between the calling thread and pool tasks, claimed a range at a time. Held by
 // shared_ptr: a task the pool starts only after every range is done finds nothing left.
 struct Shared {
@@ -149,7 +275,7 @@ struct Shared {
   const uint8_t* panels;
   float* y;
   int32_t kind;
-  int64_t T, K, N, n_panels, per_item, n_items, rows;
+  int64_t T, K, N, n_panels, per_item, n_items, blocks;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
@@ -168,8 +294,7 @@ struct Shared {
               Unpack(kind, panel + (r / kRecord) * RecordBytes(kind), unpacked + (r - k0) * kPanel);
             rows = unpacked;
           }
-          for (int64_t t0 = 0; t0 < T; t0 += this->rows)
-            kBlocks[std::min(this->rows, T - t0)](x, K, rows, y, N, p * kPanel, t0, k0, k1);
+          Pass(x, K, rows, y, N, p * kPanel, T, blocks, k0, k1);
         }
       }
       done.fetch_add(1, std::memory_order_release);
@@ -193,9 +318,7 @@ ffi::Error Run(ffi::ThreadPool& pool, const float* x, const uint8_t* panels, flo
   s->K = K;
   s->N = N;
   s->n_panels = n_panels;
-  // blocks of x as even as possible: 32 rows as 11 + 11 + 10, not 12 + 12 + 8
-  const int64_t n_blocks = (T + kRows - 1) / kRows;
-  s->rows = (T + n_blocks - 1) / n_blocks;
+  s->blocks = (T + kRows - 1) / kRows;   // of x, as few as kRows allows
   // ranges of panels: about eight per thread, so that threads that start late still get work
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   s->per_item = std::max<int64_t>(1, n_panels / (8 * threads));
