@@ -126,15 +126,20 @@ struct State {
 inline void SoftmaxStep(float* __restrict sg, int64_t n, int64_t D, State s) {
   float m_new = *s.mx;
   for (int64_t j = 0; j < n; ++j) m_new = std::max(m_new, sg[j]);
-  const float alpha = std::exp(*s.mx - m_new);  // 0 on the first rows
   float sum = 0.f;
   for (int64_t j = 0; j < n; ++j) {
     sg[j] = std::exp(sg[j] - m_new);
     sum += sg[j];
   }
-  *s.dn = *s.dn * alpha + sum;
+  // the rescale by exp(old max - new max), 0 on the first rows; where the max did not move it is
+  // exactly 1, and skipping it (a scalar exp and D multiplies a head) gives the same bits
+  if (m_new != *s.mx) {
+    const float alpha = std::exp(*s.mx - m_new);
+    *s.dn *= alpha;
+    for (int64_t d = 0; d < D; ++d) s.acc[d] *= alpha;
+  }
+  *s.dn += sum;
   *s.mx = m_new;
-  for (int64_t d = 0; d < D; ++d) s.acc[d] *= alpha;
 }
 
 // Query heads g, g + 1, ... of one kv head taken kGN at a time, then the rest (kGN <= 4):
@@ -342,11 +347,11 @@ inline __m256 Even8(__m256i x) { return _mm256_castsi256_ps(_mm256_slli_epi32(x,
 inline __m256 Odd8(__m256i x) { return _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(-65536))); }
 
 // The scores of GN query heads (q: [GN][D]) for positions j0 .. j0 + 15 of a page in the pool's
-// layout (BS a multiple of 16), into sc[g * 16 + j]: each K lane row loaded once for the heads,
-// 8 positions to a vector, bf16 pairs widened to their even and odd halves.
+// layout (BS a multiple of 16), into sc[g * stride + j]: each K lane row loaded once for the
+// heads, 8 positions to a vector, bf16 pairs widened to their even and odd halves.
 template <int D, int GN, typename KV>
 inline void Scores16Avx2(const float* __restrict q, const KV* __restrict kp, int64_t BS, int64_t j0,
-                         float* __restrict sc) {
+                         float* __restrict sc, int64_t stride) {
   constexpr int64_t W = kLane<KV>;
   __m256 lo[GN], hi[GN];
   for (int g = 0; g < GN; ++g) lo[g] = hi[g] = _mm256_setzero_ps();
@@ -371,8 +376,8 @@ inline void Scores16Avx2(const float* __restrict q, const KV* __restrict kp, int
     }
   }
   for (int g = 0; g < GN; ++g) {
-    _mm256_storeu_ps(sc + g * 16, lo[g]);
-    _mm256_storeu_ps(sc + g * 16 + 8, hi[g]);
+    _mm256_storeu_ps(sc + g * stride, lo[g]);
+    _mm256_storeu_ps(sc + g * stride + 8, hi[g]);
   }
 }
 
@@ -388,8 +393,12 @@ inline void AttendPageAvx2(const float* __restrict q, int64_t G, const KV* __res
     const int64_t nj = std::min<int64_t>(16, n - j0);
     ForHeadGroups<3>(G, [&](auto gn, int64_t g) {
       constexpr int GN = decltype(gn)::value;
-      Scores16Avx2<D, GN, KV>(q + g * D, kp, BS, j0, sc);
-      for (int h = 0; h < GN; ++h) std::copy(sc + h * 16, sc + h * 16 + nj, scratch + (g + h) * n + j0);
+      if (nj == 16) {  // straight into scratch: a copy of a run length only known here cost ~10 %
+        Scores16Avx2<D, GN, KV>(q + g * D, kp, BS, j0, scratch + g * n + j0, n);
+      } else {
+        Scores16Avx2<D, GN, KV>(q + g * D, kp, BS, j0, sc, 16);
+        for (int h = 0; h < GN; ++h) std::copy(sc + h * 16, sc + h * 16 + nj, scratch + (g + h) * n + j0);
+      }
     });
   }
   for (int64_t g = 0; g < G; ++g) SoftmaxStep(scratch + g * n, n, D, State{s.mx + g, s.dn + g, s.acc + g * D});
