@@ -135,10 +135,11 @@ inline void SoftmaxStep(float* __restrict sg, int64_t n, int64_t D, State s) {
   // exactly 1, and skipping it (a scalar exp and D multiplies a head) gives the same bits
   if (m_new != *s.mx) {
     const float alpha = std::exp(*s.mx - m_new);
-    *s.dn *= alpha;
+    *s.dn = *s.dn * alpha + sum;
     for (int64_t d = 0; d < D; ++d) s.acc[d] *= alpha;
+  } else {
+    *s.dn += sum;
   }
-  *s.dn += sum;
   *s.mx = m_new;
 }
 

@@ -71,8 +71,8 @@ constexpr int64_t RecordBytes(int32_t kind) {
   return kind == kQ4 ? 768 : kind == kQ8 ? 1152 : kind == kBF16 ? 2048 : kRecord * kPanel * 4;
 }
 
-// Each instruction set below gives the same three things: kRows (rows of x per block), Pass
-// (every row of x times one pass of a panel) and Unpack (one packed record as float32 rows).
+// Each instruction set below gives the same three things: kRows (rows of x per block), RowBlock
+// (one block of rows of x times one pass of a panel) and Unpack (one packed record as float32 rows).
 // Every output is the same chain of fused multiply-adds in either, so both give the same bits.
 
 #if defined(__AVX512F__)
@@ -118,14 +118,10 @@ using BlockFn = void (*)(const float*, int64_t, const float*, float*, int64_t, i
 constexpr BlockFn kBlocks[kRows + 1] = {nullptr,   Block<1>, Block<2>, Block<3>,  Block<4>,  Block<5>, Block<6>,
                                         Block<7>,  Block<8>, Block<9>, Block<10>, Block<11>, Block<12>};
 
-// The T rows of x, as `blocks` blocks of as even a size as can be (32 rows: 11 + 11 + 10), times
-// the panel's rows k0 .. k1 into its 32 outputs at n0.
-void Pass(const float* x, int64_t K, const float* rows, float* y, int64_t N, int64_t n0, int64_t T, int64_t blocks,
-          int64_t k0, int64_t k1) {
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t t0 = b * T / blocks, t1 = (b + 1) * T / blocks;
-    kBlocks[t1 - t0](x, K, rows, y, N, n0, t0, k0, k1);
-  }
+// Rows t0 .. t1 of x (at most kRows) times the panel's rows k0 .. k1 into its 32 outputs at n0.
+void RowBlock(const float* x, int64_t K, const float* rows, float* y, int64_t N, int64_t n0, int64_t t0, int64_t t1,
+              int64_t k0, int64_t k1) {
+  kBlocks[t1 - t0](x, K, rows, y, N, n0, t0, k0, k1);
 }
 
 // One packed record (32 inputs x 32 outputs) as float32 rows of 32, into `out`.
@@ -211,20 +207,13 @@ using BlockFn = void (*)(const float*, int64_t, const float*, float*, int64_t, i
 constexpr BlockFn kBlocks[kRows + 1] = {nullptr, Block<1, 4>, Block<2, 4>, Block<3, 2>, Block<4, 2>, Block<5, 2>,
                                         Block<6, 2>};
 
-// The T rows of x, as `blocks` blocks of as even a size as can be (32 rows: 5 + 5 + 6 + 5 + 5 +
-// 6), times the panel's rows k0 .. k1: blocks of three or more rows take each half of its 32
-// outputs in turn (the pass's 8 KB stay in L1 for both).
-void Pass(const float* x, int64_t K, const float* rows, float* y, int64_t N, int64_t n0, int64_t T, int64_t blocks,
-          int64_t k0, int64_t k1) {
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t t0 = b * T / blocks, t1 = (b + 1) * T / blocks;
-    if (t1 - t0 <= 2) {
-      kBlocks[t1 - t0](x, K, rows, y, N, n0, t0, k0, k1);
-    } else {
-      kBlocks[t1 - t0](x, K, rows, y, N, n0, t0, k0, k1);
-      kBlocks[t1 - t0](x, K, rows + 16, y, N, n0 + 16, t0, k0, k1);
-    }
-  }
+// Rows t0 .. t1 of x (at most kRows) times the panel's rows k0 .. k1 into its 32 outputs at n0:
+// one or two rows at once, three or more each half of the panel in turn (the pass's 8 KB stay in
+// L1 for both).
+void RowBlock(const float* x, int64_t K, const float* rows, float* y, int64_t N, int64_t n0, int64_t t0, int64_t t1,
+              int64_t k0, int64_t k1) {
+  kBlocks[t1 - t0](x, K, rows, y, N, n0, t0, k0, k1);
+  if (t1 - t0 > 2) kBlocks[t1 - t0](x, K, rows + 16, y, N, n0 + 16, t0, k0, k1);
 }
 
 // Eight bytes (unsigned or signed) or halves widened to eight int32 lanes.
@@ -267,6 +256,13 @@ void Unpack(int32_t kind, const uint8_t* rec, float* out) {
 }
 
 #endif
+
+// The T rows of x, as `blocks` blocks of as even a size as can be (32 rows: 11 + 11 + 10 with
+// AVX-512, 5 + 5 + 6 + 5 + 5 + 6 with AVX2), times the panel's rows k0 .. k1 into its outputs at n0.
+void Pass(const float* x, int64_t K, const float* rows, float* y, int64_t N, int64_t n0, int64_t T, int64_t blocks,
+          int64_t k0, int64_t k1) {
+  for (int64_t b = 0; b < blocks; ++b) RowBlock(x, K, rows, y, N, n0, b * T / blocks, (b + 1) * T / blocks, k0, k1);
+}
 
 // Panels shared between the calling thread and pool tasks, claimed a range at a time. Held by
 // shared_ptr: a task the pool starts only after every range is done finds nothing left.
