@@ -342,22 +342,114 @@ inline bool Finite(float x) {
 inline void Store(float x, float* out) { *out = Finite(x) ? x : 0.f; }
 inline void Store(float x, uint16_t* out) { *out = F32ToBf16(Finite(x) ? x : 0.f); }
 
+// How many pages ahead the fast paths (AttendPages, AttendPageAvx2) ask for K and V, a line at a
+// time spread over a page's work: one page of a decode token's work is shorter than the memory
+// takes to answer (bench_cpu_attention.py --source, batch 32 at 916 tokens, bf16, best of 9-11:
+// 2-core Zen 4 VM, scattered blocks, median: 1 ahead 50.9 ms, 2 ahead 45.3, 3 and 4 no better;
+// 2-core Zen 3 VM, AVX2, the page after asked for in one burst before each page 48.8 ms
+// sequential and 68.1 scattered, 2 ahead spread 33.4 and 53.7, 1, 3 or 4 ahead no better).
+constexpr int64_t kAhead = 2;
+
 #if defined(__AVX2__) && defined(__FMA__)
 // bf16 pairs in 8 32-bit lanes: the low halves (even d or even position) and the high ones
 inline __m256 Even8(__m256i x) { return _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)); }
 inline __m256 Odd8(__m256i x) { return _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(-65536))); }
 
-// The scores of GN query heads (q: [GN][D]) for positions j0 .. j0 + 15 of a page in the pool's
-// layout (BS a multiple of 16), into sc[g * stride + j]: each K lane row loaded once for the
-// heads, 8 positions to a vector, bf16 pairs widened to their even and odd halves.
+// 8 lanes of bf16 pairs loaded once: GCC would otherwise fold the load into both the shift and the
+// and of Even8 / Odd8, loading each vector twice, and the loads, not the multiply-adds, would bound
+// the loops (one page in L1, one thread: 227 -> 210 ns)
+inline __m256i LoadPairs(const uint16_t* p) {
+  __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  asm("" : "+x"(x));
+  return x;
+}
+
+// exp for x <= 0, as Exp512 in 8 lanes (the scale by 2^n added to the exponent's bits: n >= -126)
+inline __m256 Exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500E-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i scale = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
+  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), scale));
+}
+
+inline float Max8(__m256 x) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline float Sum8(__m256 x) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
+}
+
+// The values of H query heads (weights w[h * 16 + j], 0 past nj; outputs acc[h * D + d]) over
+// positions j0 .. j0 + nj - 1 of a bf16 page whose V rows hold position pairs: eight output
+// vectors in registers at a time (8 / H of each head), so that each value vector, widened once,
+// serves the H heads. With H = 2 the widening is half as much work a multiply-add: it shares the
+// non-multiplying pipes with nothing else, where one head's loop kept them as busy as the
+// multiply-adds.
+template <int D, int H>
+inline void PairValuesAvx2(const float* __restrict w, const uint16_t* __restrict vp, int64_t j0, int64_t nj,
+                           float* __restrict acc) {
+  constexpr int64_t kC = std::min<int64_t>(8 / H, D / 8);  // vectors of outputs a head holds at once
+  for (int64_t c0 = 0; c0 < D; c0 += 8 * kC) {
+    __m256 o[H][kC];
+    for (int h = 0; h < H; ++h)
+      for (int64_t c = 0; c < kC; ++c) o[h][c] = _mm256_loadu_ps(acc + h * D + c0 + 8 * c);
+    for (int64_t i = 0; 2 * i < nj; ++i) {  // positions j0 + 2i, j0 + 2i + 1 in one row of pairs
+      __m256 pe[H], po[H];
+      for (int h = 0; h < H; ++h) {
+        pe[h] = _mm256_broadcast_ss(w + h * 16 + 2 * i);
+        po[h] = _mm256_broadcast_ss(w + h * 16 + 2 * i + 1);
+      }
+      const uint16_t* row = vp + (j0 / 2 + i) * D * 2 + c0 * 2;
+      for (int64_t c = 0; c < kC; ++c) {
+        const __m256i x = LoadPairs(row + 16 * c);
+        const __m256 e = Even8(x), od = Odd8(x);
+        for (int h = 0; h < H; ++h) o[h][c] = _mm256_fmadd_ps(po[h], od, _mm256_fmadd_ps(pe[h], e, o[h][c]));
+      }
+    }
+    for (int h = 0; h < H; ++h)
+      for (int64_t c = 0; c < kC; ++c) _mm256_storeu_ps(acc + h * D + c0 + 8 * c, o[h][c]);
+  }
+}
+
+// One tile of a page for GN query heads (q: [GN][D]): positions j0 .. j0 + nj - 1 (nj <= 16, BS
+// a multiple of 16), in the pool's layout.
+//   scores: 16 positions in two 8-float vectors a head, each K lane row loaded once for the heads,
+//     bf16 pairs widened to their even and odd halves, whose two products are summed before they
+//     join the head's sum (one add in its chain a row, not two multiply-adds: six chains of two
+//     would keep the multiply-adds waiting);
+//   the online softmax, in registers: the running max moves only when a score exceeds it (then
+//     the denominator and outputs are rescaled), and the weights, 0 past nj, go to w[g * 16 + j];
+//   values: each head's outputs, 64 at a time in registers, over the tile's value rows.
+// nk, nv (or null): a later page's K and V, one 64-byte line of each asked for with each K lane
+// row (a 16 positions' lane row is one line, so a page's rows are as many as its lines).
 template <int D, int GN, typename KV>
-inline void Scores16Avx2(const float* __restrict q, const KV* __restrict kp, int64_t BS, int64_t j0,
-                         float* __restrict sc, int64_t stride) {
+inline void TileAvx2(const float* __restrict q, const KV* __restrict kp, const KV* __restrict vp, int64_t BS,
+                     int64_t j0, int64_t nj, State s, float* __restrict w, const char* nk, const char* nv) {
   constexpr int64_t W = kLane<KV>;
   __m256 lo[GN], hi[GN];
   for (int g = 0; g < GN; ++g) lo[g] = hi[g] = _mm256_setzero_ps();
   for (int64_t i = 0; i < D / W; ++i) {
     const KV* row = kp + (i * BS + j0) * W;
+    if (nk != nullptr) {
+      const int64_t line = ((j0 / 16) * (D / W) + i) * 64;
+      __builtin_prefetch(nk + line, 0, 2);
+      __builtin_prefetch(nv + line, 0, 2);
+    }
     if constexpr (W == 1) {
       const __m256 a = _mm256_loadu_ps(row), b = _mm256_loadu_ps(row + 8);
       for (int g = 0; g < GN; ++g) {
@@ -366,69 +458,74 @@ inline void Scores16Avx2(const float* __restrict q, const KV* __restrict kp, int
         hi[g] = _mm256_fmadd_ps(qd, b, hi[g]);
       }
     } else {
-      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16));
+      const __m256i a = LoadPairs(row), b = LoadPairs(row + 16);
       const __m256 ae = Even8(a), ao = Odd8(a), be = Even8(b), bo = Odd8(b);
       for (int g = 0; g < GN; ++g) {
         const __m256 qe = _mm256_broadcast_ss(q + g * D + 2 * i), qo = _mm256_broadcast_ss(q + g * D + 2 * i + 1);
-        lo[g] = _mm256_fmadd_ps(qo, ao, _mm256_fmadd_ps(qe, ae, lo[g]));
-        hi[g] = _mm256_fmadd_ps(qo, bo, _mm256_fmadd_ps(qe, be, hi[g]));
+        lo[g] = _mm256_add_ps(lo[g], _mm256_fmadd_ps(qo, ao, _mm256_mul_ps(qe, ae)));
+        hi[g] = _mm256_add_ps(hi[g], _mm256_fmadd_ps(qo, bo, _mm256_mul_ps(qe, be)));
       }
     }
   }
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 live_lo = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(nj)), lane));
+  const __m256 live_hi = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(nj) - 8), lane));
+  const __m256 none = _mm256_set1_ps(kNoScore);
+#pragma GCC unroll 4  // else the scores' arrays stay in memory, stored at every K row
   for (int g = 0; g < GN; ++g) {
-    _mm256_storeu_ps(sc + g * stride, lo[g]);
-    _mm256_storeu_ps(sc + g * stride + 8, hi[g]);
+    const __m256 x_lo = _mm256_blendv_ps(none, lo[g], live_lo), x_hi = _mm256_blendv_ps(none, hi[g], live_hi);
+    const float m_tile = Max8(_mm256_max_ps(x_lo, x_hi));
+    if (m_tile > s.mx[g]) {  // else the rescale would be by exactly 1
+      const float alpha = std::exp(s.mx[g] - m_tile);
+      s.dn[g] *= alpha;
+      const __m256 al = _mm256_set1_ps(alpha);
+      for (int64_t d = 0; d < D; d += 8)
+        _mm256_storeu_ps(s.acc + g * D + d, _mm256_mul_ps(al, _mm256_loadu_ps(s.acc + g * D + d)));
+      s.mx[g] = m_tile;
+    }
+    const __m256 m = _mm256_set1_ps(s.mx[g]);
+    const __m256 e_lo = _mm256_and_ps(live_lo, Exp8(_mm256_sub_ps(x_lo, m)));
+    const __m256 e_hi = _mm256_and_ps(live_hi, Exp8(_mm256_sub_ps(x_hi, m)));
+    s.dn[g] += Sum8(_mm256_add_ps(e_lo, e_hi));
+    _mm256_storeu_ps(w + g * 16, e_lo);
+    _mm256_storeu_ps(w + g * 16 + 8, e_hi);
+  }
+  if constexpr (kLane<KV> == 1) {
+    for (int g = 0; g < GN; ++g) {
+      const float* __restrict p = w + g * 16;
+      for (int64_t c0 = 0; c0 < D; c0 += 64) {
+        constexpr int64_t kC = D < 64 ? D / 8 : 8;  // vectors of outputs held at once
+        float* __restrict a = s.acc + g * D + c0;
+        __m256 o[kC];
+        for (int64_t c = 0; c < kC; ++c) o[c] = _mm256_loadu_ps(a + 8 * c);
+        for (int64_t j = 0; j < nj; ++j) {
+          const __m256 pj = _mm256_broadcast_ss(p + j);
+          const KV* row = vp + (j0 + j) * D + c0;
+          for (int64_t c = 0; c < kC; ++c) o[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(row + 8 * c), o[c]);
+        }
+        for (int64_t c = 0; c < kC; ++c) _mm256_storeu_ps(a + 8 * c, o[c]);
+      }
+    }
+  } else {  // V pages in position pairs (BS even): heads two at a time, then the one left
+    int g = 0;
+    for (; g + 2 <= GN; g += 2) PairValuesAvx2<D, 2>(w + g * 16, vp, j0, nj, s.acc + g * D);
+    if (g < GN) PairValuesAvx2<D, 1>(w + g * 16, vp, j0, nj, s.acc + g * D);
   }
 }
 
-// AttendPage for CPUs with AVX2 and FMA but not AVX-512 (head dim D a multiple of 8, BS of 16):
-// the page's scores 16 positions at a time in registers, the online softmax per head, then each
-// head's outputs in registers, 64 values at a time, over the page's value rows (in L1 by then).
-// scratch holds G * BS floats.
+// AttendPage for CPUs with AVX2 and FMA but not AVX-512 (head dim D a multiple of 8, BS a
+// multiple of 16): the page's first n positions, 16 at a time, query heads three at a time.
+// nk, nv (or null): the page kAhead on, asked for during the first tile's scores.
 template <int D, typename KV>
 inline void AttendPageAvx2(const float* __restrict q, int64_t G, const KV* __restrict kp, const KV* __restrict vp,
-                           int64_t n, int64_t BS, State s, float* __restrict scratch) {
-  alignas(32) float sc[4 * 16];
+                           int64_t n, int64_t BS, State s, const char* nk, const char* nv) {
+  alignas(32) float w[3 * 16];
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
-    const int64_t nj = std::min<int64_t>(16, n - j0);
     ForHeadGroups<3>(G, [&](auto gn, int64_t g) {
-      constexpr int GN = decltype(gn)::value;
-      if (nj == 16) {  // straight into scratch: a copy of a run length only known here cost ~10 %
-        Scores16Avx2<D, GN, KV>(q + g * D, kp, BS, j0, scratch + g * n + j0, n);
-      } else {
-        Scores16Avx2<D, GN, KV>(q + g * D, kp, BS, j0, sc, 16);
-        for (int h = 0; h < GN; ++h) std::copy(sc + h * 16, sc + h * 16 + nj, scratch + (g + h) * n + j0);
-      }
+      TileAvx2<D, decltype(gn)::value, KV>(q + g * D, kp, vp, BS, j0, std::min<int64_t>(16, n - j0),
+                                           State{s.mx + g, s.dn + g, s.acc + g * D}, w,
+                                           g == 0 ? nk : nullptr, nv);
     });
-  }
-  for (int64_t g = 0; g < G; ++g) SoftmaxStep(scratch + g * n, n, D, State{s.mx + g, s.dn + g, s.acc + g * D});
-  for (int64_t g = 0; g < G; ++g) {
-    const float* __restrict p = scratch + g * n;
-    for (int64_t c0 = 0; c0 < D; c0 += 64) {
-      constexpr int64_t kC = D < 64 ? D / 8 : 8;  // vectors of outputs held at once
-      float* __restrict a = s.acc + g * D + c0;
-      __m256 o[kC];
-      for (int64_t c = 0; c < kC; ++c) o[c] = _mm256_loadu_ps(a + 8 * c);
-      if constexpr (kLane<KV> == 1) {
-        for (int64_t j = 0; j < n; ++j) {
-          const __m256 pj = _mm256_broadcast_ss(p + j);
-          const KV* row = vp + j * D + c0;
-          for (int64_t c = 0; c < kC; ++c) o[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(row + 8 * c), o[c]);
-        }
-      } else {  // BS a multiple of 16: V pages in position pairs
-        for (int64_t i = 0; 2 * i < n; ++i) {  // positions 2i, 2i + 1 in one row of pairs
-          const __m256 pe = _mm256_broadcast_ss(p + 2 * i);
-          const __m256 po = _mm256_set1_ps(2 * i + 1 < n ? p[2 * i + 1] : 0.f);
-          const KV* row = vp + i * D * 2 + c0 * 2;
-          for (int64_t c = 0; c < kC; ++c) {
-            const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * c));
-            o[c] = _mm256_fmadd_ps(po, Odd8(x), _mm256_fmadd_ps(pe, Even8(x), o[c]));
-          }
-        }
-      }
-      for (int64_t c = 0; c < kC; ++c) _mm256_storeu_ps(a + 8 * c, o[c]);
-    }
   }
 }
 #endif
@@ -506,10 +603,6 @@ inline __m512 Odd(__m512i x) {
 inline __m512bh AsBh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
 #endif
 
-// How many pages ahead AttendPages asks for K and V: one page of a decode token's work is shorter
-// than the memory takes to answer (bench_cpu_attention.py --source, 2-core Zen 4 VM, batch 32 at
-// 916 tokens, bf16, scattered blocks, median: 1 ahead 50.9 ms, 2 ahead 45.3, 3 and 4 no better).
-constexpr int64_t kAhead = 2;
 
 // One token's GN query heads (of one kv head, D = 16 * DC) over pages [p0, p1) of its row's
 // context ctx, in the pool's layout, the online-softmax state held in registers throughout and
@@ -721,24 +814,37 @@ class Kernel {
     }
 #endif
     if (!done) {
-      // no AVX-512, or other head dims and block sizes: the AVX2 version where it applies, else
-      // the portable one; the next page asked for up front
+      // no AVX-512, or other head dims and block sizes: the AVX2 version where it applies (the
+      // page kAhead on asked for a line at a time during each page's scores), else the portable
+      // one (the next page asked for up front, all its lines at once)
       float* scratch = Filled<float>(3, G * BS, 0.f);
+#if defined(__AVX2__) && defined(__FMA__)
+      const bool avx2 = kD > 0 && BS % 16 == 0;
+#else
+      const bool avx2 = false;
+#endif
+      auto page_bytes = [&](const KV* head, int64_t p) {
+        return reinterpret_cast<const char*>(head + static_cast<int64_t>(table[p]) * page_elems);
+      };
       for (int64_t p = 0; p < n_pages; ++p) {
-        if (p + 1 < n_pages) {
-          const int64_t next = static_cast<int64_t>(table[p + 1]) * page_elems;
-          for (int64_t b = 0; b < page_elems * static_cast<int64_t>(sizeof(KV)); b += 64) {
-            __builtin_prefetch(reinterpret_cast<const char*>(k_head + next) + b, 0, 2);
-            __builtin_prefetch(reinterpret_cast<const char*>(v_head + next) + b, 0, 2);
-          }
+        if (avx2 ? p == 0 : p + 1 < n_pages) {  // AVX2: the pages no earlier page asks for
+          for (int64_t a = p + 1; a < std::min(n_pages, p + (avx2 ? kAhead : 2)); ++a)
+            for (int64_t b = 0; b < page_elems * static_cast<int64_t>(sizeof(KV)); b += 64) {
+              __builtin_prefetch(page_bytes(k_head, a) + b, 0, 2);
+              __builtin_prefetch(page_bytes(v_head, a) + b, 0, 2);
+            }
         }
         const int64_t n = std::min(BS, ctx - p * BS);
         const KV* kp = k_head + static_cast<int64_t>(table[p]) * page_elems;
         const KV* vp = v_head + static_cast<int64_t>(table[p]) * page_elems;
 #if defined(__AVX2__) && defined(__FMA__)
         if constexpr (kD > 0) {
-          if (BS % 16 == 0) {
-            for (int64_t t = 0; t < n_tok; ++t) AttendPageAvx2<kD, KV>(q_of(t), G, kp, vp, n, BS, state(t), scratch);
+          if (avx2) {
+            const bool ask = p + kAhead < n_pages;
+            for (int64_t t = 0; t < n_tok; ++t)
+              AttendPageAvx2<kD, KV>(q_of(t), G, kp, vp, n, BS, state(t),
+                                     ask && t == 0 ? page_bytes(k_head, p + kAhead) : nullptr,
+                                     ask ? page_bytes(v_head, p + kAhead) : nullptr);
             continue;
           }
         }
