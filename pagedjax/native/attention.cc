@@ -823,28 +823,28 @@ class Kernel {
 #else
       const bool avx2 = false;
 #endif
-      auto page_bytes = [&](const KV* head, int64_t p) {
-        return reinterpret_cast<const char*>(head + static_cast<int64_t>(table[p]) * page_elems);
-      };
-      for (int64_t p = 0; p < n_pages; ++p) {
-        if (avx2 ? p == 0 : p + 1 < n_pages) {  // AVX2: the pages no earlier page asks for
-          for (int64_t a = p + 1; a < std::min(n_pages, p + (avx2 ? kAhead : 2)); ++a)
-            for (int64_t b = 0; b < page_elems * static_cast<int64_t>(sizeof(KV)); b += 64) {
-              __builtin_prefetch(page_bytes(k_head, a) + b, 0, 2);
-              __builtin_prefetch(page_bytes(v_head, a) + b, 0, 2);
-            }
+      auto at = [&](const KV* head, int64_t p) { return head + static_cast<int64_t>(table[p]) * page_elems; };
+      auto bytes = [](const KV* x) { return reinterpret_cast<const char*>(x); };
+      auto ask_all = [&](int64_t p) {  // all of page p's K and V lines at once
+        for (int64_t b = 0; b < page_elems * static_cast<int64_t>(sizeof(KV)); b += 64) {
+          __builtin_prefetch(bytes(at(k_head, p)) + b, 0, 2);
+          __builtin_prefetch(bytes(at(v_head, p)) + b, 0, 2);
         }
+      };
+      for (int64_t a = 1; avx2 && a < std::min(kAhead, n_pages); ++a) ask_all(a);  // no earlier page asks for these
+      for (int64_t p = 0; p < n_pages; ++p) {
+        if (!avx2 && p + 1 < n_pages) ask_all(p + 1);
         const int64_t n = std::min(BS, ctx - p * BS);
-        const KV* kp = k_head + static_cast<int64_t>(table[p]) * page_elems;
-        const KV* vp = v_head + static_cast<int64_t>(table[p]) * page_elems;
+        const KV* kp = at(k_head, p);
+        const KV* vp = at(v_head, p);
 #if defined(__AVX2__) && defined(__FMA__)
         if constexpr (kD > 0) {
           if (avx2) {
             const bool ask = p + kAhead < n_pages;
+            const char* nk = ask ? bytes(at(k_head, p + kAhead)) : nullptr;
+            const char* nv = ask ? bytes(at(v_head, p + kAhead)) : nullptr;
             for (int64_t t = 0; t < n_tok; ++t)
-              AttendPageAvx2<kD, KV>(q_of(t), G, kp, vp, n, BS, state(t),
-                                     ask && t == 0 ? page_bytes(k_head, p + kAhead) : nullptr,
-                                     ask ? page_bytes(v_head, p + kAhead) : nullptr);
+              AttendPageAvx2<kD, KV>(q_of(t), G, kp, vp, n, BS, state(t), t == 0 ? nk : nullptr, nv);
             continue;
           }
         }
