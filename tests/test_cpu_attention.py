@@ -84,8 +84,10 @@ def cpu_path(attention_fn, groups=G):
 def on_pages(native_fn):
     """A native attention given a pool laid out as the other backends lay it out (each page
     position-major): its pages rearranged first as the kernel keeps them (native.to_pages)."""
+    target = getattr(native_fn, "keywords", {}).get("target", native.TARGET)  # a build of its own: its layout
+
     def run(qg, k, v, k_pool, v_pool, *args, **kwargs):
-        return native_fn(qg, k, v, *native.to_pages(k_pool, v_pool), *args, **kwargs)
+        return native_fn(qg, k, v, *native.to_pages(k_pool, v_pool, target), *args, **kwargs)
 
     return run
 

@@ -135,6 +135,9 @@ def _prebuild() -> None:
                 pass   # reported by that kernel's registration
 
 
+_VALUE_PAIRS: dict[str, bool] = {}
+
+
 def _load(source: Path, extra_flags: tuple[str, ...], handlers: dict[str, str],
           optional: dict[str, str] | None = None) -> str | None:
     """Build `source` (the libraries of this machine side by side first, `_prebuild`), load it and
@@ -146,6 +149,8 @@ def _load(source: Path, extra_flags: tuple[str, ...], handlers: dict[str, str],
         wanted = {**handlers, **{t: sym for t, sym in (optional or {}).items() if hasattr(lib, sym)}}
         for target, symbol in wanted.items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+            # how its bf16 pages hold their values (an attention library's; older ones: position pairs)
+            _VALUE_PAIRS[target] = hasattr(lib, "PagedjaxValuePairs") and lib.PagedjaxValuePairs() == 1
     except (NativeUnavailable, OSError, AttributeError) as e:
         return str(e)
     return None
@@ -478,36 +483,68 @@ def attention(qg, k_new, v_new, k_cache, v_cache, layer, tables, layout, target:
     return o.reshape(T, KVH * G, D), (k_cache, v_cache)
 
 
-def _lanes(pool) -> tuple[int, int]:
-    """Values per 32-bit lane of the kernel's K and V pages (1 for float32, 2 for 16-bit values;
-    V pages of an odd block size keep their rows)."""
+def value_pairs(target: str = TARGET) -> bool:
+    """Whether the attention kernel registered as `target` (this machine's own by default, or one
+    from `register_source`) keeps a bfloat16 page's values in value pairs (builds without AVX-512)
+    rather than position pairs (AVX-512 builds): see `to_pages`."""
+    if target == TARGET and not available():
+        raise NativeUnavailable(unavailable_reason())
+    return _VALUE_PAIRS[target]
+
+
+def _page_shapes(pool, target: str):
+    """K's values per 32-bit lane W (1 for float32, 2 for 16-bit values) and how V is held: "rows",
+    "positions" (position pairs) or "values" (value pairs)."""
     w = 4 // jnp.dtype(pool.dtype).itemsize
-    return w, w if pool.shape[-2] % w == 0 else 1
+    bs, d = pool.shape[-2:]
+    if w == 1:
+        return w, "rows"
+    if value_pairs(target):
+        return w, "values" if d % 16 == 0 else "rows"
+    return w, "positions" if bs % 2 == 0 else "rows"
 
 
-def to_pages(k_cache, v_cache):
+def _page_views(k_cache, target: str):
+    """For K and V, how a page [BS, D] splits into axes position-major, and which two axes the
+    kernel's layout swaps (None: V in rows)."""
+    w, values = _page_shapes(k_cache, target)
+    bs, d = k_cache.shape[-2:]
+    k = ((bs, d // w, w), (-3, -2))
+    v = {"positions": ((bs // 2, 2, d), (-2, -1)), "values": ((bs, d // 16, 2, 8), (-2, -1))}.get(values)
+    return k, v
+
+
+def _swap_page_axes(x, view, undo: bool):
+    """x's pages [.., BS, D] rearranged by `view` (see _page_views), or that undone."""
+    if view is None:
+        return x
+    split, (a, b) = view
+    if undo:  # from the kernel's split: the same axes swapped back
+        split = list(split)
+        split[a], split[b] = split[b], split[a]
+    *lead, bs, d = x.shape
+    return jnp.swapaxes(x.reshape(*lead, *split), a, b).reshape(*lead, bs, d)
+
+
+def to_pages(k_cache, v_cache, target: str = TARGET):
     """A pool in the other backends' layout (each page [BS, D], position-major) as the native
-    kernel lays it out: K pages [D / W, BS, W], V pages [BS / W, D, W], W values per 32-bit lane
-    (1 for float32, 2 for bfloat16), so that 16 positions sit side by side in a vector the way
-    its sums want them. For tests and tools; the kernel writes its own pool (`slot_mapping`)."""
-    w, wv = _lanes(k_cache)
-    *lead, bs, d = k_cache.shape
-    k = k_cache.reshape(*lead, bs, d // w, w)
-    k = jnp.swapaxes(k, -3, -2).reshape(*lead, bs, d)
-    v = v_cache.reshape(*lead, bs // wv, wv, d)
-    v = jnp.swapaxes(v, -2, -1).reshape(*lead, bs, d)
-    return k, v
+    kernel `target` lays it out, so that 16 positions sit side by side in a vector the way its
+    sums want them. With W values per 32-bit lane (1 for float32, 2 for bfloat16): K pages
+    [D / W, BS, W]; V pages of a float32 pool in rows [BS, D]; of a bfloat16 pool, as the build
+    multiplies them, in position pairs [BS / 2, D, 2] (value d of positions o, o + 1 in one lane:
+    AVX-512 builds, whose pair products take two positions at once) or in value pairs
+    [BS, D / 16, 8, 2] (values d and d + 8 of each 16 of one position in one lane: other builds,
+    which widen a lane row into two vectors of one position's values); rows where the pairs do
+    not fit (an odd BS; D not a multiple of 16). For tests and tools; the kernel writes its own
+    pool (`slot_mapping`)."""
+    k_view, v_view = _page_views(k_cache, target)
+    return _swap_page_axes(k_cache, k_view, False), _swap_page_axes(v_cache, v_view, False)
 
 
-def from_pages(k_cache, v_cache):
+def from_pages(k_cache, v_cache, target: str = TARGET):
     """`to_pages` undone: the native kernel's pool in the position-major layout."""
-    w, wv = _lanes(k_cache)
-    *lead, bs, d = k_cache.shape
-    k = k_cache.reshape(*lead, d // w, bs, w)
-    k = jnp.swapaxes(k, -3, -2).reshape(*lead, bs, d)
-    v = v_cache.reshape(*lead, bs // wv, d, wv)
-    v = jnp.swapaxes(v, -2, -1).reshape(*lead, bs, d)
-    return k, v
+    k_view, v_view = _page_views(k_cache, target)
+    return _swap_page_axes(k_cache, k_view, True), _swap_page_axes(v_cache, v_view, True)
 
 
 # -- greedy ---------------------------------------------------------------------------------------

@@ -52,6 +52,10 @@
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
+// The 8-wide loops, for CPUs with AVX2 and FMA but not AVX-512 (which take the 16-wide ones)
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define PAGEDJAX_AVX2 1
+#endif
 
 #include "xla/ffi/api/ffi.h"
 
@@ -309,18 +313,44 @@ inline void AttendAvx512(const float* q, int64_t G, const float* k, const float*
 // kernel lays them out so that 16 positions sit side by side in one vector, as its sums want
 // them. With W values per 32-bit lane (1 for float32, 2 for bfloat16):
 //   K: [D / W][BS][W]   position o's values d, d+1.. of one lane beside position o+1's: the
-//                       scores of 16 positions are then D / W multiply-adds, no sums across lanes;
-//   V: [BS / W][D][W]   value d of positions o, o+1 (bfloat16) in one lane: one pair product
-//                       adds both positions' weighted values to output lane d (float32: rows).
-// Values of a bfloat16 page with an odd BS stay in rows (W = 1 for V). The kernel alone writes
-// the pool (WritePool) and reads it; copies of whole blocks (swaps, copy-on-write) keep it.
+//                       scores of 16 positions are then D / W multiply-adds, no sums across lanes.
+//   V: float32 pages in rows, [BS][D]; bfloat16 ones as the build's loops multiply them:
+//     position pairs, [BS / 2][D][2] (AVX-512 builds): value d of positions o, o+1 in one lane,
+//       so that one pair product adds both positions' weighted values to output lane d;
+//     value pairs, [BS][D / 16][8][2] (other builds): values d and d+8 of each 16 of position o
+//       in one lane, so that a lane row widened is two 8-value vectors of one position, both
+//       times its one weight: the heads' sums need one weight register a head and no chains of
+//       two multiply-adds (one page in L1, AVX2, 3 heads: values 92 -> 81 ns);
+//     rows where the pairs do not fit (an odd BS; D not a multiple of 16).
+// The kernel alone writes the pool (WritePool) and reads it; copies of whole blocks (swaps,
+// copy-on-write) keep it. pagedjax.native.to_pages asks the library which one it was built with
+// (PagedjaxValuePairs).
 
-inline int64_t KIndex(int64_t o, int64_t d, int64_t BS, int64_t W) { return ((d / W) * BS + o) * W + d % W; }
-inline int64_t VIndex(int64_t o, int64_t d, int64_t D, int64_t W) { return ((o / W) * D + d) * W + o % W; }
+#if defined(__AVX512F__)
+constexpr bool kBf16ValuePairs = false;
+#else
+constexpr bool kBf16ValuePairs = true;
+#endif
+
+enum class ValueLayout { kRows, kPositionPairs, kValuePairs };
+
 template <typename KV>
 constexpr int64_t kLane = 4 / static_cast<int64_t>(sizeof(KV));
 template <typename KV>
-inline int64_t ValueLane(int64_t BS) { return BS % kLane<KV> == 0 ? kLane<KV> : 1; }
+inline ValueLayout ValueLayoutOf(int64_t BS, int64_t D) {
+  if (kLane<KV> == 1) return ValueLayout::kRows;
+  if (kBf16ValuePairs) return D % 16 == 0 ? ValueLayout::kValuePairs : ValueLayout::kRows;
+  return BS % 2 == 0 ? ValueLayout::kPositionPairs : ValueLayout::kRows;
+}
+
+inline int64_t KIndex(int64_t o, int64_t d, int64_t BS, int64_t W) { return ((d / W) * BS + o) * W + d % W; }
+inline int64_t VIndex(int64_t o, int64_t d, int64_t D, ValueLayout l) {
+  switch (l) {
+    case ValueLayout::kPositionPairs: return ((o / 2) * D + d) * 2 + o % 2;
+    case ValueLayout::kValuePairs: return o * D + (d / 16) * 16 + (d % 8) * 2 + (d % 16) / 8;
+    default: return o * D + d;
+  }
+}
 
 inline float ToF32(float x) { return x; }
 inline float ToF32(uint16_t x) { return Bf16ToF32(x); }
@@ -350,7 +380,7 @@ inline void Store(float x, uint16_t* out) { *out = F32ToBf16(Finite(x) ? x : 0.f
 // sequential and 68.1 scattered, 2 ahead spread 33.4 and 53.7, 1, 3 or 4 ahead no better).
 constexpr int64_t kAhead = 2;
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(PAGEDJAX_AVX2)
 // bf16 pairs in 8 32-bit lanes: the low halves (even d or even position) and the high ones
 inline __m256 Even8(__m256i x) { return _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)); }
 inline __m256 Odd8(__m256i x) { return _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(-65536))); }
@@ -394,35 +424,54 @@ inline float Sum8(__m256 x) {
   return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
 }
 
+// A bf16 value pair lane's high halves as float32: Odd8 with its mask read from memory, so that
+// no register is held for it through the loops below (GCC hoists a constant into one, and the
+// three-head loop then keeps an output in memory)
+alignas(32) constexpr int32_t kHighHalves[8] = {-65536, -65536, -65536, -65536, -65536, -65536, -65536, -65536};
+inline __m256 HighHalves8(__m256i x) {
+  __m256i r;
+  asm("vpand %1, %2, %0" : "=x"(r) : "m"(kHighHalves), "x"(x));
+  return _mm256_castsi256_ps(r);
+}
+
+// A weight broadcast from memory at each use: GCC would otherwise keep each head's in a register
+// for both of the loop's 16-value chunks, and the three-head loop would run out of registers
+inline __m256 WeightAt(const float* p) {
+  __m256 b;
+  asm volatile("vbroadcastss %1, %0" : "=x"(b) : "m"(*p));
+  return b;
+}
+
 // The values of H query heads (weights w[h * 16 + j], 0 past nj; outputs acc[h * D + d]) over
-// positions j0 .. j0 + nj - 1 of a bf16 page whose V rows hold position pairs: eight output
-// vectors in registers at a time (8 / H of each head), so that each value vector, widened once,
-// serves the H heads. With H = 2 the widening is half as much work a multiply-add: it shares the
-// non-multiplying pipes with nothing else, where one head's loop kept them as busy as the
-// multiply-adds.
+// positions j0 .. j0 + nj - 1 of a bf16 page in value pairs: a position's row of D values,
+// 16 at a time in one lane row, widened once for the H heads into values d..d+7 and d+8..d+15,
+// each times the head's weight into an output vector of its own (no output takes two
+// multiply-adds in a row). Outputs of 2 * kX lane rows a head in registers at a time.
 template <int D, int H>
-inline void PairValuesAvx2(const float* __restrict w, const uint16_t* __restrict vp, int64_t j0, int64_t nj,
+inline void ValuePairsAvx2(const float* __restrict w, const uint16_t* __restrict vp, int64_t j0, int64_t nj,
                            float* __restrict acc) {
-  constexpr int64_t kC = std::min<int64_t>(8 / H, D / 8);  // vectors of outputs a head holds at once
-  for (int64_t c0 = 0; c0 < D; c0 += 8 * kC) {
-    __m256 o[H][kC];
+  constexpr int kX = H == 1 ? 4 : 2;  // 12 outputs of 3 heads, 8 of 2, 8 of 1
+  static_assert(D % (16 * kX) == 0, "head dim: a multiple of 16 * kX");
+  for (int64_t c0 = 0; c0 < D; c0 += 16 * kX) {
+    __m256 o[H][kX][2];
     for (int h = 0; h < H; ++h)
-      for (int64_t c = 0; c < kC; ++c) o[h][c] = _mm256_loadu_ps(acc + h * D + c0 + 8 * c);
-    for (int64_t i = 0; 2 * i < nj; ++i) {  // positions j0 + 2i, j0 + 2i + 1 in one row of pairs
-      __m256 pe[H], po[H];
-      for (int h = 0; h < H; ++h) {
-        pe[h] = _mm256_broadcast_ss(w + h * 16 + 2 * i);
-        po[h] = _mm256_broadcast_ss(w + h * 16 + 2 * i + 1);
-      }
-      const uint16_t* row = vp + (j0 / 2 + i) * D * 2 + c0 * 2;
-      for (int64_t c = 0; c < kC; ++c) {
-        const __m256i x = LoadPairs(row + 16 * c);
-        const __m256 e = Even8(x), od = Odd8(x);
-        for (int h = 0; h < H; ++h) o[h][c] = _mm256_fmadd_ps(po[h], od, _mm256_fmadd_ps(pe[h], e, o[h][c]));
+      for (int x = 0; x < kX; ++x)
+        for (int k = 0; k < 2; ++k) o[h][x][k] = _mm256_loadu_ps(acc + h * D + c0 + 16 * x + 8 * k);
+    for (int64_t j = 0; j < nj; ++j) {
+      const uint16_t* row = vp + (j0 + j) * D + c0;
+      for (int x = 0; x < kX; ++x) {
+        const __m256i v = LoadPairs(row + 16 * x);
+        const __m256 lo = Even8(v), hi = HighHalves8(v);
+        for (int h = 0; h < H; ++h) {
+          const __m256 wj = WeightAt(w + h * 16 + j);
+          o[h][x][0] = _mm256_fmadd_ps(wj, lo, o[h][x][0]);
+          o[h][x][1] = _mm256_fmadd_ps(wj, hi, o[h][x][1]);
+        }
       }
     }
     for (int h = 0; h < H; ++h)
-      for (int64_t c = 0; c < kC; ++c) _mm256_storeu_ps(acc + h * D + c0 + 8 * c, o[h][c]);
+      for (int x = 0; x < kX; ++x)
+        for (int k = 0; k < 2; ++k) _mm256_storeu_ps(acc + h * D + c0 + 16 * x + 8 * k, o[h][x][k]);
   }
 }
 
@@ -434,7 +483,8 @@ inline void PairValuesAvx2(const float* __restrict w, const uint16_t* __restrict
 //     would keep the multiply-adds waiting);
 //   the online softmax, in registers: the running max moves only when a score exceeds it (then
 //     the denominator and outputs are rescaled), and the weights, 0 past nj, go to w[g * 16 + j];
-//   values: each head's outputs, 64 at a time in registers, over the tile's value rows.
+//   values: float32 rows, each head's outputs 64 at a time in registers; bf16 value pairs, the GN
+//     heads together (ValuePairsAvx2).
 // nk, nv (or null): a later page's K and V, one 64-byte line of each asked for with each K lane
 // row (a 16 positions' lane row is one line, so a page's rows are as many as its lines).
 template <int D, int GN, typename KV>
@@ -506,15 +556,13 @@ inline void TileAvx2(const float* __restrict q, const KV* __restrict kp, const K
         for (int64_t c = 0; c < kC; ++c) _mm256_storeu_ps(a + 8 * c, o[c]);
       }
     }
-  } else {  // V pages in position pairs (BS even): heads two at a time, then the one left
-    int g = 0;
-    for (; g + 2 <= GN; g += 2) PairValuesAvx2<D, 2>(w + g * 16, vp, j0, nj, s.acc + g * D);
-    if (g < GN) PairValuesAvx2<D, 1>(w + g * 16, vp, j0, nj, s.acc + g * D);
+  } else {  // V pages in value pairs
+    ValuePairsAvx2<D, GN>(w, vp, j0, nj, s.acc);
   }
 }
 
-// AttendPage for CPUs with AVX2 and FMA but not AVX-512 (head dim D a multiple of 8, BS a
-// multiple of 16): the page's first n positions, 16 at a time, query heads three at a time.
+// AttendPage for CPUs with AVX2 and FMA but not AVX-512 (head dim D 64 or 128, BS a multiple of
+// 16): the page's first n positions, 16 at a time, query heads three at a time.
 // nk, nv (or null): the page kAhead on, asked for during the first tile's scores.
 template <int D, typename KV>
 inline void AttendPageAvx2(const float* __restrict q, int64_t G, const KV* __restrict kp, const KV* __restrict vp,
@@ -537,7 +585,6 @@ template <typename KV>
 inline void AttendPage(const float* __restrict q, int64_t G, int64_t D, const KV* __restrict kp,
                        const KV* __restrict vp, int64_t n, int64_t BS, State s, float* __restrict scratch) {
   constexpr int64_t W = kLane<KV>;
-  const int64_t wv = ValueLane<KV>(BS);
   // scores [G][n], 16 positions at a time in registers where the page has them
   int64_t j0 = 0;
   for (; j0 + 16 <= n || (j0 < n && j0 + 16 <= BS); j0 += 16) {
@@ -578,19 +625,32 @@ inline void AttendPage(const float* __restrict q, int64_t G, int64_t D, const KV
     }
   }
   for (int64_t g = 0; g < G; ++g) SoftmaxStep(scratch + g * n, n, D, State{s.mx + g, s.dn + g, s.acc + g * D});
-  auto values = [&](auto lanes) {  // lanes: wv as a constant, so that the loop over d vectorises
-    constexpr int64_t kW = decltype(lanes)::value;
+  auto values = [&](auto layout) {  // the layout as a constant, so that the loops over d vectorise
+    constexpr ValueLayout kL = decltype(layout)::value;
     for (int64_t j = 0; j < n; ++j) {
-      const KV* __restrict vj = vp + (j / kW) * D * kW + j % kW;  // value d at vj[d * kW]
       for (int64_t g = 0; g < G; ++g) {
         const float pj = scratch[g * n + j];
         float* __restrict a = s.acc + g * D;
-        for (int64_t d = 0; d < D; ++d) a[d] += pj * ToF32(vj[d * kW]);
+        if constexpr (kL == ValueLayout::kValuePairs) {  // values d, d + 8 of each 16 in one lane
+          const KV* __restrict vj = vp + j * D;
+          for (int64_t c = 0; c < D; c += 16)
+            for (int64_t i = 0; i < 8; ++i) {
+              a[c + i] += pj * ToF32(vj[c + 2 * i]);
+              a[c + 8 + i] += pj * ToF32(vj[c + 2 * i + 1]);
+            }
+        } else {
+          constexpr int64_t kW = kL == ValueLayout::kPositionPairs ? 2 : 1;
+          const KV* __restrict vj = vp + (j / kW) * D * kW + j % kW;  // value d at vj[d * kW]
+          for (int64_t d = 0; d < D; ++d) a[d] += pj * ToF32(vj[d * kW]);
+        }
       }
     }
   };
-  if (wv == 1) values(std::integral_constant<int64_t, 1>{});
-  else values(std::integral_constant<int64_t, 2>{});
+  switch (ValueLayoutOf<KV>(BS, D)) {
+    case ValueLayout::kPositionPairs: values(std::integral_constant<ValueLayout, ValueLayout::kPositionPairs>{}); break;
+    case ValueLayout::kValuePairs: values(std::integral_constant<ValueLayout, ValueLayout::kValuePairs>{}); break;
+    default: values(std::integral_constant<ValueLayout, ValueLayout::kRows>{});
+  }
 }
 
 #if defined(__AVX512F__)
@@ -818,7 +878,7 @@ class Kernel {
       // page kAhead on asked for a line at a time during each page's scores), else the portable
       // one (the next page asked for up front, all its lines at once)
       float* scratch = Filled<float>(3, G * BS, 0.f);
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(PAGEDJAX_AVX2)
       const bool avx2 = kD > 0 && BS % 16 == 0;
 #else
       const bool avx2 = false;
@@ -837,7 +897,7 @@ class Kernel {
         const int64_t n = std::min(BS, ctx - p * BS);
         const KV* kp = at(k_head, p);
         const KV* vp = at(v_head, p);
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(PAGEDJAX_AVX2)
         if constexpr (kD > 0) {
           if (avx2) {
             const bool ask = p + kAhead < n_pages;
@@ -922,7 +982,8 @@ void WritePool(const Shapes& s, int64_t layer, const float* __restrict k_new, co
                const int32_t* slots, KV* __restrict k, KV* __restrict v, int64_t t0, int64_t t1, int64_t h0,
                int64_t h1, const Rope& rope) {
   constexpr int64_t W = kLane<KV>;
-  const int64_t wv = ValueLane<KV>(s.BS), D = s.D, BS = s.BS;
+  const int64_t D = s.D, BS = s.BS;
+  const ValueLayout layout = ValueLayoutOf<KV>(BS, D);
   for (int64_t t = t0; t < t1; ++t) {
     if (slots[t] < 0) continue;
     const int64_t block = slots[t] / BS, o = slots[t] % BS;
@@ -936,10 +997,9 @@ void WritePool(const Shapes& s, int64_t layer, const float* __restrict k_new, co
         kt = rotated;
       }
       KV* kp = k + base + KIndex(o, 0, BS, W);   // position o's lane of K row d / W: kp + (d / W) * BS * W + d % W
-      KV* vp = v + base + VIndex(o, 0, D, wv);   // position o's values: vp + d * wv
       for (int64_t i = 0; i < D / W; ++i)
         for (int64_t w = 0; w < W; ++w) Store(kt[i * W + w], kp + i * BS * W + w);
-      for (int64_t d = 0; d < D; ++d) Store(vt[d], vp + d * wv);
+      for (int64_t d = 0; d < D; ++d) Store(vt[d], v + base + VIndex(o, d, D, layout));
     }
   }
 }
@@ -1166,3 +1226,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxCpuAttentionWritingRope, ImplWritingRope,
                                   .Ret<ffi::AnyBuffer>()         // k pool
                                   .Ret<ffi::AnyBuffer>()         // v pool
                                   .Attr<float>("scale"));
+
+// How this build lays out the values of a bfloat16 page (see the page layout above): 1 in value
+// pairs, 0 in position pairs (both: rows where the pairs do not fit). For pagedjax.native.to_pages.
+extern "C" int PagedjaxValuePairs() { return kBf16ValuePairs ? 1 : 0; }
