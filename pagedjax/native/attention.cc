@@ -825,7 +825,7 @@ class Kernel {
   // pages ask for its first, so that the pages asked for ahead run on from one row to the next
   // (bench_cpu_attention.py, batch 32, bf16, 2-core Zen 3 VM, in turn: at 17 tokens, two pages a
   // row, 6.2-6.7 ms against 8.1-8.9; at 916 tokens the same within noise)
-  void Run(const Item& it, const Item* next) const {
+  void Run(const Item& it, [[maybe_unused]] const Item* next) const {
     const int64_t G = s_.G, BS = s_.BS, KVH = s_.KVH;
     const int64_t D = kD ? kD : s_.D;
     const int64_t n_tok = it.t1 - it.t0;
@@ -846,15 +846,15 @@ class Kernel {
     auto state = [&](int64_t t) { return State{&mx[t * G], &dn[t * G], &acc[t * G * D]}; };
 
     // 1. the cached context, page by page
-    const int32_t* table = tables_ + it.t0 * s_.P;
     const int64_t page_elems = BS * D;
-    const KV* k_head = k_ + ((layer_ * KVH + it.h) * s_.NB) * page_elems;
-    const KV* v_head = v_ + ((layer_ * KVH + it.h) * s_.NB) * page_elems;
-    const int64_t n_pages = (ctx + BS - 1) / BS;
+    const int64_t n_pages = CachedPages(it);
     bool done = false;
 #if defined(__AVX512F__)
     if constexpr (kD > 0) {
       if (BS % 16 == 0) {
+        const int32_t* table = tables_ + it.t0 * s_.P;
+        const KV* k_head = k_ + ((layer_ * KVH + it.h) * s_.NB) * page_elems;
+        const KV* v_head = v_ + ((layer_ * KVH + it.h) * s_.NB) * page_elems;
         // one token (a decode step) goes over all its pages in one pass; a prefill chunk's
         // tokens take a few pages at a time in turn, so those pages are read from memory once
         uint32_t* qp = Filled<uint32_t>(0, kPairs ? n_tok * G * D / 2 : 0, 0u);  // bf16 queries, as pairs
@@ -887,12 +887,11 @@ class Kernel {
 #else
       const bool avx2 = false;
 #endif
-      auto at = [&](const KV* head, int64_t p) { return head + static_cast<int64_t>(table[p]) * page_elems; };
       auto bytes = [](const KV* x) { return reinterpret_cast<const char*>(x); };
       auto ask_all = [&](int64_t p) {  // all of page p's K and V lines at once
         for (int64_t b = 0; b < page_elems * static_cast<int64_t>(sizeof(KV)); b += 64) {
-          __builtin_prefetch(bytes(at(k_head, p)) + b, 0, 2);
-          __builtin_prefetch(bytes(at(v_head, p)) + b, 0, 2);
+          __builtin_prefetch(bytes(PageOf(k_, it, p)) + b, 0, 2);
+          __builtin_prefetch(bytes(PageOf(v_, it, p)) + b, 0, 2);
         }
       };
       // no earlier page of this item asks for these (the item before it on this thread may have)
@@ -900,8 +899,8 @@ class Kernel {
       for (int64_t p = 0; p < n_pages; ++p) {
         if (!avx2 && p + 1 < n_pages) ask_all(p + 1);
         const int64_t n = std::min(BS, ctx - p * BS);
-        const KV* kp = at(k_head, p);
-        const KV* vp = at(v_head, p);
+        const KV* kp = PageOf(k_, it, p);
+        const KV* vp = PageOf(v_, it, p);
 #if defined(PAGEDJAX_AVX2)
         if constexpr (kD > 0) {
           if (avx2) {
@@ -950,11 +949,12 @@ class Kernel {
   }
 
  private:
-  // item it's pages of cached context, and its page p of pool x (k_ or v_)
+  // item it's pages of cached context, and its page p (its block table's p-th block) of pool x
+  // (k_ or v_) in this layer and its kv head
   int64_t CachedPages(const Item& it) const { return (start_[it.t0] + s_.BS - 1) / s_.BS; }
   const KV* PageOf(const KV* x, const Item& it, int64_t p) const {
     const int64_t page_elems = s_.BS * (kD ? kD : s_.D);
-    return x + ((layer_ * s_.KVH + it.h) * s_.NB + tables_[it.t0 * s_.P + p]) * page_elems;
+    return x + ((layer_ * s_.KVH + it.h) * s_.NB + static_cast<int64_t>(tables_[it.t0 * s_.P + p])) * page_elems;
   }
 
   // whether a bf16 pool is read by pair products (AVX512_BF16) rather than widened
