@@ -6,9 +6,10 @@ Ragged batches reach every branch: tokens of fresh prompts (no cached context), 
 prefill chunks after cached context that fill whole 16-token tiles (the XLA one-row branch) or
 share tiles with other rows (its per-token branch), padding rows and tokens, block sizes from 1
 to 32 and contexts ending on and off page and chunk edges. The native kernel is also run with
-head dims 64 and 128 (its AVX-512 paths, where the CPU has them) and a bfloat16 pool, read in place (with
-AVX512_BF16's bf16 pair products where the CPU has them, and then also with a build that widens
-pages to float32, as CPUs without them do), and built without AVX-512 (its AVX2 loops and the portable ones). The
+head dims 64 and 128 (its AVX-512 paths, where the CPU has them) and a bfloat16 pool, read in place (as
+this CPU's build reads it, and where the CPU has AVX512_BF16 also with a build that takes its bf16
+pair products and one that widens pages to float32), and built without AVX-512 (its AVX2 loops
+and the portable ones). The
 native kernel keeps its pool's pages in its own layout and writes the step's K/V into it itself:
 pools built here position-major are rearranged first (`on_pages`), and its writes are checked
 bit for bit against the other backends' write_kv; given q and k before the rotary embedding, it
@@ -171,26 +172,64 @@ def test_native_any_number_of_query_heads_per_kv_head(groups, D, dtype):
     np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], **tolerance("native", dtype))
 
 
-@pytest.mark.parametrize("case, D, groups", [("mixed step", 64, 3), ("chunks sharing tiles", 128, 5),
-                                             ("decode only", 64, 4)])
-def test_native_widened_bf16_path_on_a_cpu_with_pair_products(case, D, groups):
-    """CPUs with AVX-512 but without AVX512_BF16 widen bf16 pages to float32 and keep all
-    arithmetic float32. Where this CPU has the pair products, the kernel built with
-    -mno-avx512bf16 takes that path: it matches the reference at float32 tolerance."""
-    require_native()
-    if not native.bf16_pair_products():
-        pytest.skip("this CPU takes the widened path in every other bf16 test")
-    attention = functools.partial(native.attention, target=native.register_source(extra_flags=("-mno-avx512bf16",)))
+def bf16_products_case(case, D, groups, extra_flags):
+    """The native kernel built with `extra_flags` and the reference on one bf16 case: (target,
+    got, want) over the valid rows."""
+    target = native.register_source(extra_flags=extra_flags)
     rows = CASES[case]
     rng = np.random.default_rng(D * 10 + groups)
     T = -(-sum(n for _, n in rows) // 8) * 8 + 8
     P = -(-max(c + n for c, n in rows) // 16) + 1
     pool, q, k, v, attn = make_batch(rng, rows, 16, T, len(rows) + 1, P, (len(rows) + 1) * P + 2, D, groups)
     pool = tuple(c.astype(jnp.bfloat16) for c in pool)
-    got, valid = cpu_path(on_pages(attention), groups)(q, k, v, pool, attn)
+    got, valid = cpu_path(on_pages(functools.partial(native.attention, target=target)), groups)(q, k, v, pool, attn)
     want = reference(q, k, v, pool, attn)
     valid = np.asarray(valid)
-    np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], rtol=2e-5, atol=2e-5)
+    return target, np.asarray(got)[valid], np.asarray(want)[valid]
+
+
+def require_pair_products():
+    require_native()
+    if not {"avx512f", "avx512_bf16"} <= native.cpu_flags():
+        pytest.skip("this CPU has no AVX512_BF16 pair products: every other bf16 test takes the widened path")
+
+
+PRODUCT_CASES = [("mixed step", 64, 3), ("chunks sharing tiles", 128, 5), ("decode only", 64, 4)]
+
+
+@pytest.mark.parametrize("case, D, groups", PRODUCT_CASES)
+def test_native_widened_bf16_path_on_a_cpu_with_pair_products(case, D, groups):
+    """CPUs with AVX-512 but without AVX512_BF16, and Intel's with it, widen bf16 pages to float32
+    and keep all arithmetic float32. Where this CPU has the pair products, the kernel built with
+    -mno-avx512bf16 takes that path: it matches the reference at float32 tolerance."""
+    require_pair_products()
+    target, got, want = bf16_products_case(case, D, groups, ("-mno-avx512bf16",))
+    assert not native.bf16_pair_products(target)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("case, D, groups", PRODUCT_CASES)
+def test_native_pair_products_on_a_cpu_with_them(case, D, groups):
+    """Where this CPU has AVX512_BF16, the kernel built to take its pair products whatever the
+    vendor (-UPAGEDJAX_WIDEN_BF16 after the build's own flags) rounds the queries and weights to
+    bf16: within 1e-2 of the reference, and not bit for bit the widened kernel's outputs (so the
+    pair products did run)."""
+    require_pair_products()
+    target, got, want = bf16_products_case(case, D, groups, ("-UPAGEDJAX_WIDEN_BF16",))
+    assert native.bf16_pair_products(target)
+    np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2)
+    _, widened, _ = bf16_products_case(case, D, groups, ("-mno-avx512bf16",))
+    assert not np.array_equal(got, widened)
+
+
+def test_native_bf16_products_follow_the_vendor():
+    """The machine's own build widens bf16 pages on Intel CPUs and takes the pair products on
+    other CPUs with AVX512_BF16 (attention_flags); what the library reports is what was built."""
+    require_native()
+    pairs = {"avx512f", "avx512_bf16"} <= native.cpu_flags()
+    intel = native.cpu_vendor() == "GenuineIntel"
+    assert native.attention_flags() == (("-DPAGEDJAX_WIDEN_BF16",) if pairs and intel else ())
+    assert native.bf16_pair_products() == (pairs and not intel)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -85,6 +85,25 @@ def _cpu_features() -> str:
         return platform.processor()
 
 
+def cpu_vendor() -> str:
+    """This CPU's vendor as /proc/cpuinfo gives it ("GenuineIntel", "AuthenticAMD"), else ""."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+    return line.partition(":")[2].strip()
+
+
+def attention_flags() -> tuple[str, ...]:
+    """The attention kernel's build flags beyond FLAGS on this CPU: on Intel cores with
+    AVX512_BF16 `-DPAGEDJAX_WIDEN_BF16`, because there a bfloat16 page widened to float32 is read
+    faster than by the pair products (see kBf16PairProducts in attention.cc). A source built with
+    `-UPAGEDJAX_WIDEN_BF16` after these takes the pair products all the same."""
+    wide = {"avx512f", "avx512_bf16"} <= cpu_flags() and cpu_vendor() == "GenuineIntel"
+    return ("-DPAGEDJAX_WIDEN_BF16",) if wide else ()
+
+
 def _jaxlib_version() -> str:
     import jaxlib
 
@@ -124,7 +143,7 @@ def _prebuild() -> None:
     still built, loaded and its failure reported by its own registration; built ones are reused."""
     if compiler() is None:
         return
-    jobs = [(SOURCE, ()), (GREEDY_SOURCE, ())]
+    jobs = [(SOURCE, attention_flags()), (GREEDY_SOURCE, ())]
     if _matmul_wanted() is None:
         jobs.append((MATMUL_SOURCE, MATMUL_FLAGS))
     with ThreadPoolExecutor(len(jobs)) as pool:
@@ -136,6 +155,7 @@ def _prebuild() -> None:
 
 
 _VALUE_PAIRS: dict[str, bool] = {}
+_PAIR_PRODUCTS: dict[str, bool] = {}
 
 
 def _load(source: Path, extra_flags: tuple[str, ...], handlers: dict[str, str],
@@ -151,6 +171,9 @@ def _load(source: Path, extra_flags: tuple[str, ...], handlers: dict[str, str],
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
             # how its bf16 pages hold their values (an attention library's; older ones: position pairs)
             _VALUE_PAIRS[target] = hasattr(lib, "PagedjaxValuePairs") and lib.PagedjaxValuePairs() == 1
+            # and how it multiplies them (older ones: pair products wherever the CPU has them)
+            _PAIR_PRODUCTS[target] = (lib.PagedjaxPairProducts() == 1 if hasattr(lib, "PagedjaxPairProducts")
+                                      else {"avx512f", "avx512_bf16"} <= cpu_flags())
     except (NativeUnavailable, OSError, AttributeError) as e:
         return str(e)
     return None
@@ -160,7 +183,7 @@ def _load(source: Path, extra_flags: tuple[str, ...], handlers: dict[str, str],
 def _register(source: Path = SOURCE, target: str = TARGET, extra_flags: tuple[str, ...] = ()) -> str | None:
     """Build, load and register an FFI target once per process. Returns None when it worked,
     else the reason it did not."""
-    return _load(source, extra_flags, {target: SYMBOL},
+    return _load(source, (*attention_flags(), *extra_flags), {target: SYMBOL},
                  {target + suffix: SYMBOL + symbol for suffix, symbol in (WRITING, ROPE)})
 
 
@@ -182,13 +205,16 @@ def available() -> bool:
     return _register() is None
 
 
-def bf16_pair_products() -> bool:
-    """Whether the kernel, as built for this CPU, reads a bfloat16 pool (head dim a multiple of
-    32, blocks a multiple of 16 tokens) with AVX512_BF16's pair products: the queries and the
-    softmax weights then enter those products rounded to bfloat16 and every sum is float32, as
-    flash attention does on an accelerator. Without those instructions pages are widened to
-    float32 and the queries and weights stay float32."""
-    return {"avx512f", "avx512_bf16"} <= cpu_flags()
+def bf16_pair_products(target: str = TARGET) -> bool:
+    """Whether the kernel registered as `target` (this machine's own by default) reads a bfloat16
+    pool (head dim a multiple of 32, blocks a multiple of 16 tokens) with AVX512_BF16's pair
+    products: the queries and the softmax weights then enter those products rounded to bfloat16
+    and every sum is float32, as flash attention does on an accelerator. Otherwise pages are
+    widened to float32 and the queries and weights stay float32: on CPUs without those
+    instructions, and on Intel's, whose cores read widened pages faster (`attention_flags`)."""
+    if target == TARGET and not available():
+        raise NativeUnavailable(unavailable_reason())
+    return _PAIR_PRODUCTS[target]
 
 
 def unavailable_reason() -> str | None:

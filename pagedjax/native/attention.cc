@@ -332,6 +332,20 @@ constexpr bool kBf16ValuePairs = false;
 constexpr bool kBf16ValuePairs = true;
 #endif
 
+// Whether AVX-512 pages of bf16 are multiplied by AVX512_BF16's pair products (vdpbf16ps: 32
+// multiply-adds an instruction) or widened to float32 (16 an FMA, two shifts or masks a load).
+// Which is faster depends on the core: on Intel's (2-core Sapphire Rapids-class VM) the pair
+// product issues at a quarter of the FMA's rate, 52 multiply-adds a ns against 99, and the
+// widened pages are faster (bench_cpu_attention, batch 32 at 916 tokens, cached 14.5 ms against
+// 17.8); on AMD's Zen 4, with an earlier version of these loops, the pair products were (20.5-23.7
+// against 30.1-33.8). The build says which:
+// PAGEDJAX_WIDEN_BF16 (pagedjax.native passes it on Intel CPUs) widens.
+#if defined(__AVX512BF16__) && !defined(PAGEDJAX_WIDEN_BF16)
+constexpr bool kBf16PairProducts = true;
+#else
+constexpr bool kBf16PairProducts = false;
+#endif
+
 enum class ValueLayout { kRows, kPositionPairs, kValuePairs };
 
 template <typename KV>
@@ -677,12 +691,24 @@ inline __m512bh AsBh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
 // denominator is summed in a vector and across its lanes once, at the end. prefetch: the K and V
 // of the page kAhead pages on are asked for (into L2), one 64-byte line with each K load, so the
 // requests go out spread over the work: pages are scattered over the pool and the hardware
-// prefetcher cannot guess the next one.
-template <int DC, int GN, typename KV, bool kPairs>
+// prefetcher cannot guess the next one. Past the last page the stream runs on into `after`, the
+// pages of the row this thread takes next.
+template <typename KV>
+struct PageStream {
+  const KV* k_head = nullptr;
+  const KV* v_head = nullptr;
+  const int32_t* table = nullptr;
+  int64_t n_pages = 0;
+};
+
+// kBS: the block size where it is 16 (the default), so that every K and V load of a page is at
+// an offset known when compiling; 0 otherwise.
+template <int DC, int GN, typename KV, bool kPairs, int kBS>
 inline void AttendPages(const float* __restrict q, const uint32_t* __restrict qp, const KV* k_head, const KV* v_head,
-                        const int32_t* table, int64_t p0, int64_t p1, int64_t ctx, int64_t BS, State s,
-                        bool prefetch) {
+                        const int32_t* table, int64_t p0, int64_t p1, int64_t ctx, int64_t block_size, State s,
+                        bool prefetch, const PageStream<KV>& after) {
   constexpr int64_t D = 16 * DC;
+  const int64_t BS = kBS ? kBS : block_size;
   constexpr int64_t W = kLane<KV>;
   const int64_t page = BS * D;
   const int64_t n_pages = (ctx + BS - 1) / BS;
@@ -705,11 +731,16 @@ inline void AttendPages(const float* __restrict q, const uint32_t* __restrict qp
   for (int64_t p = p0; p < p1; ++p) {
     const KV* kp = k_head + static_cast<int64_t>(table[p]) * page;
     const KV* vp = v_head + static_cast<int64_t>(table[p]) * page;
-    const char* nk = nullptr;
-    const char* nv = nullptr;
+    // with nothing to ask for, this page's own lines (in cache already): no branch per load
+    const char* nk = reinterpret_cast<const char*>(kp);
+    const char* nv = reinterpret_cast<const char*>(vp);
     if (prefetch && p + kAhead < n_pages) {
       nk = reinterpret_cast<const char*>(k_head + static_cast<int64_t>(table[p + kAhead]) * page);
       nv = reinterpret_cast<const char*>(v_head + static_cast<int64_t>(table[p + kAhead]) * page);
+    } else if (prefetch && p + kAhead - n_pages < after.n_pages) {
+      const int64_t block = after.table[p + kAhead - n_pages];
+      nk = reinterpret_cast<const char*>(after.k_head + block * page);
+      nv = reinterpret_cast<const char*>(after.v_head + block * page);
     }
     const int64_t n = std::min(BS, ctx - p * BS);
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
@@ -722,11 +753,9 @@ inline void AttendPages(const float* __restrict q, const uint32_t* __restrict qp
 #pragma GCC unroll 64
       for (int64_t i = 0; i < D / W; ++i) {
         const KV* row = kp + (i * BS + j0) * W;
-        if (nk != nullptr) {
-          const int64_t line = ((j0 / 16) * (D / W) + i) * 64;
-          __builtin_prefetch(nk + line, 0, 2);
-          __builtin_prefetch(nv + line, 0, 2);
-        }
+        const int64_t line = ((j0 / 16) * (D / W) + i) * 64;
+        __builtin_prefetch(nk + line, 0, 2);
+        __builtin_prefetch(nv + line, 0, 2);
         if constexpr (W == 1) {
           const __m512 kx = _mm512_loadu_ps(row);
           for (int g = 0; g < GN; ++g) sc[g][i & 1] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * D + i]), kx, sc[g][i & 1]);
@@ -821,8 +850,8 @@ class Kernel {
       : s_(s), q_(q), k_new_(k_new), v_new_(v_new), k_(k), v_(v), layer_(layer), tables_(tables), start_(start),
         o_(o), rope_(rope) {}
 
-  // next: the item this thread runs after this one (or null); on the AVX2 path this one's last
-  // pages ask for its first, so that the pages asked for ahead run on from one row to the next
+  // next: the item this thread runs after this one (or null); this one's last pages ask for its
+  // first, so that the pages asked for ahead run on from one row to the next
   // (bench_cpu_attention.py, batch 32, bf16, 2-core Zen 3 VM, in turn: at 17 tokens, two pages a
   // row, 6.2-6.7 ms against 8.1-8.9; at 916 tokens the same within noise)
   void Run(const Item& it, [[maybe_unused]] const Item* next) const {
@@ -861,15 +890,25 @@ class Kernel {
         for (int64_t t = 0; kPairs && t < n_tok; ++t)
           for (int64_t i = 0; i < G * D / 2; ++i)
             qp[t * G * D / 2 + i] = F32ToBf16(q_of(t)[2 * i]) | static_cast<uint32_t>(F32ToBf16(q_of(t)[2 * i + 1])) << 16;
+        PageStream<KV> after;  // the next row's pages, where this thread has one
+        if (next != nullptr) {
+          const int64_t head = (layer_ * KVH + next->h) * s_.NB * page_elems;
+          after = PageStream<KV>{k_ + head, v_ + head, tables_ + next->t0 * s_.P, CachedPages(*next)};
+        }
         const int64_t span = n_tok == 1 ? n_pages : kSpanPages;
         for (int64_t p0 = 0; p0 < n_pages; p0 += span) {
           const int64_t p1 = std::min(n_pages, p0 + span);
           for (int64_t t = 0; t < n_tok; ++t) {
             ForHeadGroups<(16 / (kD / 16) < 4 ? 16 / (kD / 16) : 4)>(G, [&](auto gn, int64_t g) {
               const State st = state(t);
-              AttendPages<kD / 16, decltype(gn)::value, KV, kPairs>(
-                  q_of(t) + g * D, kPairs ? &qp[(t * G + g) * D / 2] : nullptr, k_head, v_head, table, p0, p1, ctx, BS,
-                  State{st.mx + g, st.dn + g, st.acc + g * D}, t == 0 && g == 0);
+              const State sg{st.mx + g, st.dn + g, st.acc + g * D};
+              const uint32_t* qpg = kPairs ? &qp[(t * G + g) * D / 2] : nullptr;
+              if (BS == 16)
+                AttendPages<kD / 16, decltype(gn)::value, KV, kPairs, 16>(q_of(t) + g * D, qpg, k_head, v_head, table,
+                                                                          p0, p1, ctx, BS, sg, t == 0 && g == 0, after);
+              else
+                AttendPages<kD / 16, decltype(gn)::value, KV, kPairs, 0>(q_of(t) + g * D, qpg, k_head, v_head, table,
+                                                                         p0, p1, ctx, BS, sg, t == 0 && g == 0, after);
             });
           }
         }
@@ -958,11 +997,7 @@ class Kernel {
   }
 
   // whether a bf16 pool is read by pair products (AVX512_BF16) rather than widened
-#if defined(__AVX512BF16__)
-  static constexpr bool kPairs = std::is_same_v<KV, uint16_t>;
-#else
-  static constexpr bool kPairs = false;
-#endif
+  static constexpr bool kPairs = kBf16PairProducts && std::is_same_v<KV, uint16_t>;
   // pages a prefill chunk's tokens take in turn (4 of 16 positions: 16 KB of bf16 K and V at
   // head dim 64, which stay in L1/L2 while the chunk's 8 tokens go over them)
   static constexpr int64_t kSpanPages = 4;
@@ -1249,3 +1284,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxCpuAttentionWritingRope, ImplWritingRope,
 // How this build lays out the values of a bfloat16 page (see the page layout above): 1 in value
 // pairs, 0 in position pairs (both: rows where the pairs do not fit). For pagedjax.native.to_pages.
 extern "C" int PagedjaxValuePairs() { return kBf16ValuePairs ? 1 : 0; }
+
+// Whether this build multiplies a bfloat16 page by pair products (1) or widens it to float32 (0).
+// For pagedjax.native.bf16_pair_products.
+extern "C" int PagedjaxPairProducts() { return kBf16PairProducts ? 1 : 0; }
