@@ -704,9 +704,9 @@ struct PageStream {
 // kBS: the block size where it is 16 (the default), so that every K and V load of a page is at
 // an offset known when compiling; 0 otherwise.
 template <int DC, int GN, typename KV, bool kPairs, int kBS>
-inline void AttendPages(const float* __restrict q, const uint32_t* __restrict qp, const KV* k_head, const KV* v_head,
-                        const int32_t* table, int64_t p0, int64_t p1, int64_t ctx, int64_t block_size, State s,
-                        bool prefetch, const PageStream<KV>& after) {
+inline void AttendPages(const float* __restrict q, [[maybe_unused]] const uint32_t* __restrict qp, const KV* k_head,
+                        const KV* v_head, const int32_t* table, int64_t p0, int64_t p1, int64_t ctx,
+                        int64_t block_size, State s, bool prefetch, const PageStream<KV>& after) {
   constexpr int64_t D = 16 * DC;
   const int64_t BS = kBS ? kBS : block_size;
   constexpr int64_t W = kLane<KV>;
@@ -721,7 +721,7 @@ inline void AttendPages(const float* __restrict q, const uint32_t* __restrict qp
     dn[g] = s.dn[g];
   }
   alignas(64) float pf[GN][16];    // the weights (float32 products)
-  alignas(64) uint32_t pp[GN][8];  // the weights of positions 2i, 2i+1 as one bf16 pair (kPairs)
+  [[maybe_unused]] alignas(64) uint32_t pp[GN][8];  // the weights of positions 2i, 2i+1 as one bf16 pair (kPairs)
   if (prefetch && p0 == 0 && kAhead > 1 && n_pages > 1) {  // the pages no earlier page asks for
     for (int64_t b = 0; b < page * static_cast<int64_t>(sizeof(KV)); b += 64) {
       __builtin_prefetch(reinterpret_cast<const char*>(k_head + static_cast<int64_t>(table[1]) * page) + b, 0, 2);
@@ -1003,7 +1003,7 @@ class Kernel {
   static constexpr int64_t kSpanPages = 4;
 
   // rows_padded: 16 rows can be read from every chunk start
-  void Attend(const float* q, const float* k, const float* v, int64_t n, bool rows_padded, State s) const {
+  void Attend(const float* q, const float* k, const float* v, int64_t n, [[maybe_unused]] bool rows_padded, State s) const {
 #if defined(__AVX512F__)
     if constexpr (kD % 16 == 0 && kD > 0) {
       if (rows_padded) return AttendAvx512<kD / 16>(q, s_.G, k, v, n, s);
