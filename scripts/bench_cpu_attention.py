@@ -15,7 +15,9 @@ three ways:
 
 For each it prints the best and median time of a whole step's layers over --reps runs and the
 bytes of K and V read per second; beside them, the rate at which one core reads 512 MB straight
-through (numpy's max), a floor on the memory bandwidth the kernel could use.
+through (numpy's max), a floor on the memory bandwidth the kernel could use; and, for a bf16
+pool, how each kernel multiplies its pages (AVX512_BF16's pair products, or widened to float32:
+the build's choice for this CPU).
 
 With --source, other versions of the kernel's source run beside this one, in turn within each
 repetition (so that a noisy machine slows them alike), e.g. the previous commit's:
@@ -130,6 +132,12 @@ def main():
     flags = tuple(args.flags.split())
     kernels = ({"this": native.register_source(native.SOURCE, flags) if flags else native.TARGET}
                | {src: native.register_source(src, flags) for src in args.source})
+    # how each kernel multiplies a bf16 page (the build's choice, see pagedjax.native.attention_flags)
+    products = {name: "pair products" if native.bf16_pair_products(target) else "widened to float32"
+                for name, target in kernels.items()}
+    if args.kv_cache_dtype == "bfloat16":
+        for name, how in products.items():
+            print(f"  {name}: bf16 pages {how}")
     steps = {}
     for name, target in kernels.items():
         for kind in args.tables:  # the same pool contents and tables for every kernel
@@ -149,10 +157,11 @@ def main():
         print(f"  {label} best {best * 1e3:7.1f} ms  median {median * 1e3:7.1f} ms  "
               f"{kv_bytes / best / 1e9:5.1f} GB/s of K/V")
     if len(kernels) == 1:
-        results = results["this"]
+        results, products = results["this"], products["this"]
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "kv_bytes": kv_bytes, "memory_read_gb_per_s": read, "results": results}, f, indent=1)
+            json.dump({"args": vars(args), "kv_bytes": kv_bytes, "memory_read_gb_per_s": read, "results": results,
+                       "bf16_products": products}, f, indent=1)
 
 
 if __name__ == "__main__":

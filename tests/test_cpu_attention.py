@@ -404,6 +404,9 @@ def test_bench_cpu_attention_script_runs_every_table_layout(tmp_path):
     for kernel in report["results"].values():
         assert set(kernel) == {"sequential", "scattered", "cached"}
         assert all(r["best_ms"] > 0 for r in kernel.values())
+    # each kernel says how it multiplies bf16 pages: the same way here, built from the same source
+    how = "pair products" if native.bf16_pair_products() else "widened to float32"
+    assert report["bf16_products"] == {"this": how, str(other): how}
 
 
 def _pool_copies(hlo: str, pool_elems: int) -> list[str]:
