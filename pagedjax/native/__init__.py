@@ -95,12 +95,17 @@ def cpu_vendor() -> str:
     return line.partition(":")[2].strip()
 
 
+def _has_pair_products() -> bool:
+    """Whether this CPU has AVX-512 with AVX512_BF16's pair products (vdpbf16ps)."""
+    return {"avx512f", "avx512_bf16"} <= cpu_flags()
+
+
 def attention_flags() -> tuple[str, ...]:
     """The attention kernel's build flags beyond FLAGS on this CPU: on Intel cores with
     AVX512_BF16 `-DPAGEDJAX_WIDEN_BF16`, because there a bfloat16 page widened to float32 is read
     faster than by the pair products (see kBf16PairProducts in attention.cc). A source built with
     `-UPAGEDJAX_WIDEN_BF16` after these takes the pair products all the same."""
-    wide = {"avx512f", "avx512_bf16"} <= cpu_flags() and cpu_vendor() == "GenuineIntel"
+    wide = _has_pair_products() and cpu_vendor() == "GenuineIntel"
     return ("-DPAGEDJAX_WIDEN_BF16",) if wide else ()
 
 
@@ -173,7 +178,7 @@ def _load(source: Path, extra_flags: tuple[str, ...], handlers: dict[str, str],
             _VALUE_PAIRS[target] = hasattr(lib, "PagedjaxValuePairs") and lib.PagedjaxValuePairs() == 1
             # and how it multiplies them (older ones: pair products wherever the CPU has them)
             _PAIR_PRODUCTS[target] = (lib.PagedjaxPairProducts() == 1 if hasattr(lib, "PagedjaxPairProducts")
-                                      else {"avx512f", "avx512_bf16"} <= cpu_flags())
+                                      else _has_pair_products())
     except (NativeUnavailable, OSError, AttributeError) as e:
         return str(e)
     return None

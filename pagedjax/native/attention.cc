@@ -881,9 +881,9 @@ class Kernel {
 #if defined(__AVX512F__)
     if constexpr (kD > 0) {
       if (BS % 16 == 0) {
-        const int32_t* table = tables_ + it.t0 * s_.P;
-        const KV* k_head = k_ + ((layer_ * KVH + it.h) * s_.NB) * page_elems;
-        const KV* v_head = v_ + ((layer_ * KVH + it.h) * s_.NB) * page_elems;
+        const int32_t* table = TableOf(it);
+        const KV* k_head = HeadOf(k_, it);
+        const KV* v_head = HeadOf(v_, it);
         // one token (a decode step) goes over all its pages in one pass; a prefill chunk's
         // tokens take a few pages at a time in turn, so those pages are read from memory once
         uint32_t* qp = Filled<uint32_t>(0, kPairs ? n_tok * G * D / 2 : 0, 0u);  // bf16 queries, as pairs
@@ -891,24 +891,23 @@ class Kernel {
           for (int64_t i = 0; i < G * D / 2; ++i)
             qp[t * G * D / 2 + i] = F32ToBf16(q_of(t)[2 * i]) | static_cast<uint32_t>(F32ToBf16(q_of(t)[2 * i + 1])) << 16;
         PageStream<KV> after;  // the next row's pages, where this thread has one
-        if (next != nullptr) {
-          const int64_t head = (layer_ * KVH + next->h) * s_.NB * page_elems;
-          after = PageStream<KV>{k_ + head, v_ + head, tables_ + next->t0 * s_.P, CachedPages(*next)};
-        }
+        if (next != nullptr)
+          after = PageStream<KV>{HeadOf(k_, *next), HeadOf(v_, *next), TableOf(*next), CachedPages(*next)};
         const int64_t span = n_tok == 1 ? n_pages : kSpanPages;
         for (int64_t p0 = 0; p0 < n_pages; p0 += span) {
           const int64_t p1 = std::min(n_pages, p0 + span);
           for (int64_t t = 0; t < n_tok; ++t) {
             ForHeadGroups<(16 / (kD / 16) < 4 ? 16 / (kD / 16) : 4)>(G, [&](auto gn, int64_t g) {
               const State st = state(t);
-              const State sg{st.mx + g, st.dn + g, st.acc + g * D};
-              const uint32_t* qpg = kPairs ? &qp[(t * G + g) * D / 2] : nullptr;
+              auto attend = [&](auto bs) {
+                AttendPages<kD / 16, decltype(gn)::value, KV, kPairs, decltype(bs)::value>(
+                    q_of(t) + g * D, kPairs ? &qp[(t * G + g) * D / 2] : nullptr, k_head, v_head, table, p0, p1, ctx,
+                    BS, State{st.mx + g, st.dn + g, st.acc + g * D}, t == 0 && g == 0, after);
+              };
               if (BS == 16)
-                AttendPages<kD / 16, decltype(gn)::value, KV, kPairs, 16>(q_of(t) + g * D, qpg, k_head, v_head, table,
-                                                                          p0, p1, ctx, BS, sg, t == 0 && g == 0, after);
+                attend(std::integral_constant<int, 16>{});
               else
-                AttendPages<kD / 16, decltype(gn)::value, KV, kPairs, 0>(q_of(t) + g * D, qpg, k_head, v_head, table,
-                                                                         p0, p1, ctx, BS, sg, t == 0 && g == 0, after);
+                attend(std::integral_constant<int, 0>{});
             });
           }
         }
@@ -990,10 +989,14 @@ class Kernel {
  private:
   // item it's pages of cached context, and its page p (its block table's p-th block) of pool x
   // (k_ or v_) in this layer and its kv head
+  // (HeadOf: block 0 of this layer's and its kv head's pages; TableOf: its block table)
   int64_t CachedPages(const Item& it) const { return (start_[it.t0] + s_.BS - 1) / s_.BS; }
+  const int32_t* TableOf(const Item& it) const { return tables_ + it.t0 * s_.P; }
+  const KV* HeadOf(const KV* x, const Item& it) const {
+    return x + (layer_ * s_.KVH + it.h) * s_.NB * s_.BS * (kD ? kD : s_.D);
+  }
   const KV* PageOf(const KV* x, const Item& it, int64_t p) const {
-    const int64_t page_elems = s_.BS * (kD ? kD : s_.D);
-    return x + ((layer_ * s_.KVH + it.h) * s_.NB + static_cast<int64_t>(tables_[it.t0 * s_.P + p])) * page_elems;
+    return HeadOf(x, it) + static_cast<int64_t>(TableOf(it)[p]) * s_.BS * (kD ? kD : s_.D);
   }
 
   // whether a bf16 pool is read by pair products (AVX512_BF16) rather than widened
